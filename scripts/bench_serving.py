@@ -488,6 +488,7 @@ class PromptBuilder:
         self.run_id = run_id
         self.filler_ids: list[int] = []
         self._chat_guess: dict[int, int] = {}
+        self._warned: set[int] = set()
 
     def _filler_text(self, n_words: int) -> str:
         rng = random.Random(self.cfg.seed)
@@ -549,6 +550,14 @@ class PromptBuilder:
                 break
             k += length - n
         assert best is not None
+        if best[0] != length and length not in self._warned:
+            self._warned.add(length)
+            print(
+                f"[bench] warning: chat prompt for length {length} reached {best[0]} tokens "
+                "(the template/tokenizer merges at the boundary); the actual length is "
+                "recorded per request as expected_prompt_tokens",
+                file=sys.stderr,
+            )
         self._chat_guess[length] = best[1]
         return best[2], best[0]
 
