@@ -9,6 +9,9 @@ PROFILE ?= cpu-tiny
 OVERLAY_MODE ?=
 TINY_MODEL := models/tiny-dsv4-dspark
 CACHE := .cache
+# Serving sweep sized for the CPU tiny server; on a Spark pass your own, e.g.
+# BENCH_ARGS="--concurrency 1,2,4,6,16 --prompt-lens 256,2048,32768 --output-len 256".
+BENCH_ARGS ?= --concurrency 1,2,4 --prompt-lens 64,256 --output-len 64
 
 STAMP_DEPS := $(VENV)/.stamp-deps
 STAMP_OVERLAY := $(VENV)/.stamp-overlay
@@ -70,7 +73,7 @@ bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on 
 	$(PY) scripts/bench_packed_prefill.py
 	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^VLLM_PORT=//p'); \
 	if curl -sf "http://127.0.0.1:$$port/health" >/dev/null; then \
-	  $(PY) scripts/bench_serving.py --base-url "http://127.0.0.1:$$port" --plot; \
+	  $(PY) scripts/bench_serving.py --base-url "http://127.0.0.1:$$port" --profile $(PROFILE) $(BENCH_ARGS) --plot; \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
 
 lint: setup ## ruff, hadolint, compose config
