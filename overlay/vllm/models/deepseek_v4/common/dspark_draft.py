@@ -1,0 +1,666 @@
+"""DSpark draft model for DeepSeek-V4, device-agnostic (CPU and GPU run this code).
+
+The draft weights ship inside the target checkpoint under ``mtp.{j}.*``. Per step:
+
+1. ``combine_hidden_states``: ``main_x = main_norm(main_proj(concat(aux)))`` for every
+   target row, ``aux`` = the target's hidden states at ``dspark_target_layer_ids``.
+2. ``context_kv``: every draft layer projects the same ``main_x`` into its latent KV,
+   ``RoPE_last64(kv_norm(wkv(main_x)))`` at the row's absolute position -> ``[T, K, 512]``.
+   The proposer stores the accepted rows in per-request rings (``dspark_ragged``).
+3. ``forward``: one backbone pass over the block ``[anchor, noise x (N-1)]`` at positions
+   ``p .. p+N-1`` of every request. Each layer is a DeepSeek-V4 layer: hyper-connection
+   mixing (mHC) around attention and MoE. Attention queries see the request's valid
+   context window (``window_mask``) plus the whole block, non-causally, with a per-head
+   attention sink; q has a weightless per-head RMSNorm and RoPE on its last 64 dims; the
+   output is de-rotated and projected by the grouped ``wo_a`` then ``wo_b``.
+   ``hc_head`` reduces the hc streams -> pre-norm head hidden ``[R, N, H]``.
+4. ``compute_logits`` = shared target LM head over ``norm(h)``; the Markov head and the
+   confidence head run on top (``dspark_markov``).
+
+Built from vLLM's layers (``ReplicatedLinear``, ``RMSNorm``, mHC custom ops, the
+platform's DeepSeek-V4 MoE, ``DSparkMarkovHead`` / ``DSparkConfidenceHead``) so the same
+code loads bf16 weights on CPU and FP8 checkpoints where vLLM's quant config applies.
+The attention itself is plain torch over a private per-request ring, not vLLM's paged
+KV cache: the CPU sparse-MLA kernel reads only the paged fp8_ds_mla layout, and the
+draft's KV is keyed by request id (see ``vllm/v1/spec_decode/dspark_proposer.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import regex as re
+import torch
+import torch.nn as nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.qwen3_dspark import (
+    DSparkConfidenceHead,
+    DSparkMarkovHead,
+)
+from vllm.model_executor.models.utils import maybe_prefix
+from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
+from vllm.platforms import current_platform
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "DSparkDeepseekV4Draft",
+    "DSparkDraftShape",
+    "DraftContext",
+    "draft_hf_config",
+    "fp8_nope_roundtrip",
+]
+
+FP8_NOPE_BLOCK = 64
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class DSparkDraftShape:
+    """The config fields the draft reads, validated once."""
+
+    hidden_size: int
+    vocab_size: int
+    num_target_layers: int
+    num_draft_layers: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    markov_rank: int
+    noise_token_id: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    window: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_eps: float
+    max_position: int
+    confidence_head: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> DSparkDraftShape:
+        def need(name: str):
+            value = getattr(cfg, name, None)
+            if value is None:
+                raise ValueError(
+                    f"DeepSeek-V4 DSpark draft needs config field {name!r}; the checkpoint "
+                    "config has none (is this a DSpark checkpoint?)"
+                )
+            return value
+
+        ids = tuple(int(i) for i in need("dspark_target_layer_ids"))
+        num_layers = int(need("num_hidden_layers"))
+        if not ids or any(not 0 <= i < num_layers for i in ids):
+            raise ValueError(
+                f"dspark_target_layer_ids must be non-empty ids in [0, {num_layers}), got {ids}"
+            )
+        shape = cls(
+            hidden_size=int(need("hidden_size")),
+            vocab_size=int(need("vocab_size")),
+            num_target_layers=num_layers,
+            num_draft_layers=int(getattr(cfg, "n_mtp_layers", None) or 3),
+            target_layer_ids=ids,
+            block_size=int(need("dspark_block_size")),
+            markov_rank=int(need("dspark_markov_rank")),
+            noise_token_id=int(need("dspark_noise_token_id")),
+            num_heads=int(need("num_attention_heads")),
+            head_dim=int(need("head_dim")),
+            rope_dim=int(need("qk_rope_head_dim")),
+            q_lora_rank=int(need("q_lora_rank")),
+            o_lora_rank=int(need("o_lora_rank")),
+            o_groups=int(need("o_groups")),
+            window=int(need("sliding_window")),
+            hc_mult=int(need("hc_mult")),
+            hc_sinkhorn_iters=int(need("hc_sinkhorn_iters")),
+            hc_eps=float(need("hc_eps")),
+            rms_eps=float(need("rms_norm_eps")),
+            max_position=int(need("max_position_embeddings")),
+            confidence_head=bool(getattr(cfg, "enable_confidence_head", True)),
+        )
+        if shape.num_heads % shape.o_groups:
+            raise ValueError(
+                f"num_attention_heads={shape.num_heads} must be a multiple of "
+                f"o_groups={shape.o_groups}"
+            )
+        if not 0 < shape.rope_dim < shape.head_dim:
+            raise ValueError(f"qk_rope_head_dim must be in (0, head_dim={shape.head_dim})")
+        return shape
+
+
+def draft_hf_config(vllm_config: VllmConfig):
+    """The draft's hf config: the speculative draft config, else the model's own."""
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.draft_model_config is not None:
+        return spec.draft_model_config.hf_config
+    return vllm_config.model_config.hf_config
+
+
+@dataclass
+class DraftContext:
+    """What the block attention reads besides the block itself.
+
+    ``caches[j]`` is layer j's ring ``[S, W, D]``; request r reads ring row
+    ``slots[r]``; ``mask [R, W]`` (from ``dspark_ragged.window_mask``) says which cells
+    hold context the block may attend.
+    """
+
+    caches: Sequence[torch.Tensor]
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """Quantise-dequantise the non-RoPE dims the way the fp8_ds_mla KV cache stores them.
+
+    The target (and upstream's draft) keep the first ``head_dim - rope_dim`` dims of the
+    latent KV as FP8 e4m3 with one power-of-two (UE8M0) scale per 64 dims and the RoPE
+    dims in bf16. Applying the same round trip to the private draft ring keeps the
+    draft's attention inputs equal to what it was trained against.
+    """
+    nope = kv.shape[-1] - rope_dim
+    if nope <= 0 or nope % FP8_NOPE_BLOCK:
+        return kv
+    head, tail = kv[..., :nope].float(), kv[..., nope:]
+    blocks = head.unflatten(-1, (nope // FP8_NOPE_BLOCK, FP8_NOPE_BLOCK))
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
+    q = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+    return torch.cat([q.flatten(-2).to(kv.dtype), tail], dim=-1)
+
+
+def _rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMSNorm over the last dim, computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _dense_weight(layer: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a float32 [out, in] matrix, block-FP8 scales applied."""
+    weight = layer.weight.float()
+    scale = getattr(layer, "weight_scale_inv", None)
+    if scale is None:
+        scale = getattr(layer, "weight_scale", None)
+    if scale is None or scale.numel() == 0:
+        return weight
+    scale = scale.float()
+    if scale.numel() == 1:
+        return weight * scale
+    if scale.dim() == 1 or scale.shape[-1] == 1:
+        return weight * scale.reshape(-1, 1)
+    block_out = -(-weight.shape[0] // scale.shape[0])
+    block_in = -(-weight.shape[1] // scale.shape[1])
+    expanded = scale.repeat_interleave(block_out, 0).repeat_interleave(block_in, 1)
+    return weight * expanded[: weight.shape[0], : weight.shape[1]]
+
+
+def _cpu_kernel_missing(name: str) -> bool:
+    """True on a CPU build without the named DeepSeek-V4 C++ kernel (e.g. AVX2-only)."""
+    return current_platform.is_cpu() and not hasattr(torch.ops._C, name)
+
+
+def hc_head_torch(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    rms_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    """Reduce ``x [T, hc, H]`` to ``[T, H]``: gates from the RMS-normalised flat streams.
+
+    ``gate = sigmoid(scale * (rmsnorm(flat(x)) @ fn^T) + base) + hc_eps`` and
+    ``out = sum_i gate_i * x_i``; the eager form of vLLM's fused hc_head kernels.
+    """
+    xf = x.float()
+    flat = xf.flatten(-2)
+    normed = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
+    gate = torch.sigmoid(normed @ hc_fn.float().t() * hc_scale.float() + hc_base.float())
+    gate = gate + hc_eps
+    return (gate.unsqueeze(-1) * xf).sum(dim=-2).to(x.dtype)
+
+
+def _make_moe(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """The platform's DeepSeek-V4 MoE (vLLM FusedMoE underneath, quant-aware)."""
+    if current_platform.is_cpu():
+        from vllm.models.deepseek_v4.cpu.model import DeepseekV4MoE
+
+        return DeepseekV4MoE(vllm_config, prefix=prefix)
+    hf = vllm_config.model_config.hf_config
+    if current_platform.is_rocm():
+        from vllm.models.deepseek_v4.amd.model import DeepseekV4MoE as AmdMoE
+
+        return AmdMoE(vllm_config, prefix=prefix)
+    from vllm.models.deepseek_v4.nvidia.model import DeepseekV4MoE as NvMoE
+
+    return NvMoE(vllm_config, prefix=prefix, num_hash_layers=hf.num_hash_layers)
+
+
+class DSparkDraftAttention(nn.Module):
+    """DeepSeek-V4 latent attention of one draft layer over ring context + block."""
+
+    def __init__(self, shape: DSparkDraftShape, hf_config, quant_config, prefix: str) -> None:
+        super().__init__()
+        s = shape
+        self.shape = s
+        self.scale = s.head_dim**-0.5
+
+        def linear(n_in: int, n_out: int, name: str) -> ReplicatedLinear:
+            return ReplicatedLinear(
+                n_in,
+                n_out,
+                bias=False,
+                return_bias=False,
+                quant_config=quant_config,
+                prefix=f"{prefix}.{name}",
+            )
+
+        self.wq_a = linear(s.hidden_size, s.q_lora_rank, "wq_a")
+        self.q_norm = RMSNorm(s.q_lora_rank, eps=s.rms_eps)
+        self.wq_b = linear(s.q_lora_rank, s.num_heads * s.head_dim, "wq_b")
+        self.wkv = linear(s.hidden_size, s.head_dim, "wkv")
+        self.kv_norm = RMSNorm(s.head_dim, eps=s.rms_eps)
+        self.heads_per_group = s.num_heads // s.o_groups
+        self.wo_a = linear(self.heads_per_group * s.head_dim, s.o_groups * s.o_lora_rank, "wo_a")
+        self.wo_b = linear(s.o_groups * s.o_lora_rank, s.hidden_size, "wo_b")
+        self.attn_sink = nn.Parameter(
+            torch.zeros(s.num_heads, dtype=torch.float32), requires_grad=False
+        )
+        # Pure sliding-window layers use plain RoPE (no YaRN) on the last rope_dim dims.
+        self.rotary_emb = build_deepseek_v4_rope(
+            hf_config,
+            head_dim=s.head_dim,
+            rope_head_dim=s.rope_dim,
+            max_position_embeddings=s.max_position,
+            compress_ratio=1,
+        )
+        # wo_a is applied per group ([G, o_lora, heads_per_group * head_dim]); the
+        # dense copy is taken when weights are processed, before a platform GEMM
+        # method may repack (and free) the linear's own weight.
+        self._wo_a_grouped: torch.Tensor | None = None
+        quant_method = self.wo_a.quant_method
+        original = quant_method.process_weights_after_loading
+
+        def capture_then_process(layer: nn.Module) -> None:
+            self.set_wo_a_grouped(_dense_weight(layer))
+            original(layer)
+
+        quant_method.process_weights_after_loading = capture_then_process
+
+    def set_wo_a_grouped(self, weight: torch.Tensor) -> None:
+        s = self.shape
+        self._wo_a_grouped = (
+            weight.reshape(s.o_groups, s.o_lora_rank, self.heads_per_group * s.head_dim)
+            .to(self.wq_b_dtype())
+            .contiguous()
+        )
+
+    def wq_b_dtype(self) -> torch.dtype:
+        return self.q_norm.weight.dtype
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False):
+        """GPT-J RoPE on the last rope_dim dims of ``x [T, heads, D]`` at ``positions [T]``."""
+        out, _ = self.rotary_emb.forward_native(positions, x, None, inverse=inverse)
+        return out
+
+    def context_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Latent KV ``[T, D]`` of rows ``x [T, H]`` at absolute ``positions [T]``."""
+        kv = self.kv_norm(self.wkv(x))
+        kv = self.rope(kv.unsqueeze(1), positions).squeeze(1)
+        return fp8_nope_roundtrip(kv, self.shape.rope_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_kv: torch.Tensor,
+        ctx_mask: torch.Tensor,
+        num_requests: int,
+    ) -> torch.Tensor:
+        """``x [R*N, H]`` block rows (request-major) -> attention output ``[R*N, H]``.
+
+        ``ctx_kv [R, W, D]`` are the gathered ring rows, ``ctx_mask [R, W]`` the valid
+        cells. Each block query attends the valid context and all N block keys.
+        """
+        s = self.shape
+        rows = x.shape[0]
+        n = rows // num_requests
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(rows, s.num_heads, s.head_dim)
+        q = self.rope(_rms_unit(q, s.rms_eps), positions)
+        block_kv = self.context_kv(x, positions).view(num_requests, n, s.head_dim)
+
+        keys = torch.cat([ctx_kv.to(block_kv.dtype), block_kv], dim=1).float()  # [R, W+N, D]
+        visible = torch.cat([ctx_mask, ctx_mask.new_ones((num_requests, n))], dim=1)  # [R, W+N]
+        qf = q.view(num_requests, n, s.num_heads, s.head_dim).float()
+        scores = torch.einsum("rnhd,rkd->rnhk", qf, keys) * self.scale
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        sink = self.attn_sink.float().view(1, 1, s.num_heads, 1)
+        sink = sink.expand(num_requests, n, s.num_heads, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out = torch.einsum("rnhk,rkd->rnhd", probs, keys).to(x.dtype)
+        out = self.rope(out.reshape(rows, s.num_heads, s.head_dim), positions, inverse=True)
+
+        assert self._wo_a_grouped is not None, "wo_a weights were never processed"
+        grouped = out.reshape(rows, s.o_groups, self.heads_per_group * s.head_dim)
+        z = torch.einsum("tgk,gok->tgo", grouped, self._wo_a_grouped.to(grouped.dtype))
+        return self.wo_b(z.reshape(rows, s.o_groups * s.o_lora_rank))
+
+
+class DSparkDraftLayer(nn.Module):
+    """One DeepSeek-V4 decoder layer of the draft: mHC(attention), mHC(MoE)."""
+
+    def __init__(self, vllm_config: VllmConfig, shape: DSparkDraftShape, hf_config, prefix: str):
+        super().__init__()
+        from vllm.model_executor.layers.mhc import MHCPostOp, MHCPreOp
+
+        s = shape
+        self.shape = s
+        self.attn = DSparkDraftAttention(s, hf_config, vllm_config.quant_config, f"{prefix}.attn")
+        self.ffn = _make_moe(vllm_config, f"{prefix}.ffn")
+        self.attn_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        self.ffn_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        mix = (2 + s.hc_mult) * s.hc_mult
+        width = s.hc_mult * s.hidden_size
+        for kind in ("attn", "ffn"):
+            self.register_parameter(
+                f"hc_{kind}_fn",
+                nn.Parameter(torch.empty(mix, width, dtype=torch.float32), requires_grad=False),
+            )
+            self.register_parameter(
+                f"hc_{kind}_base",
+                nn.Parameter(torch.empty(mix, dtype=torch.float32), requires_grad=False),
+            )
+            self.register_parameter(
+                f"hc_{kind}_scale",
+                nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False),
+            )
+        self.mhc_pre = MHCPreOp()
+        self.mhc_post = MHCPostOp()
+        self._ops = None
+
+    def _mhc_ops(self):
+        """vLLM's mHC custom ops; their eager forms where the CPU build lacks the kernels."""
+        if self._ops is None:
+            pre, post = self.mhc_pre, self.mhc_post
+            if _cpu_kernel_missing("hc_pre_fused_cpu"):
+                pre = self.mhc_pre.forward_native
+            if _cpu_kernel_missing("hc_post_fused_cpu"):
+                post = self.mhc_post.forward_native
+            self._ops = (pre, post)
+        return self._ops
+
+    def _mix(self, x: torch.Tensor, kind: str):
+        s = self.shape
+        post, comb, layer_input = self._mhc_ops()[0](
+            residual=x,
+            fn=getattr(self, f"hc_{kind}_fn"),
+            hc_scale=getattr(self, f"hc_{kind}_scale"),
+            hc_base=getattr(self, f"hc_{kind}_base"),
+            rms_eps=s.rms_eps,
+            hc_pre_eps=s.hc_eps,
+            hc_sinkhorn_eps=s.hc_eps,
+            hc_post_mult_value=2.0,
+            sinkhorn_repeat=s.hc_sinkhorn_iters,
+        )
+        return layer_input, post, comb
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor,
+        ctx_kv: torch.Tensor,
+        ctx_mask: torch.Tensor,
+        num_requests: int,
+    ) -> torch.Tensor:
+        """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
+        h, post, comb = self._mix(x, "attn")
+        h = self.attn(self.attn_norm(h), positions, ctx_kv, ctx_mask, num_requests)
+        mhc_post = self._mhc_ops()[1]
+        x = mhc_post(h, x, post, comb)
+        h, post, comb = self._mix(x, "ffn")
+        h = self.ffn(self.ffn_norm(h), input_ids)
+        return mhc_post(h, x, post, comb)
+
+
+_STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_HEAD_PARAMS = ("norm.", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.")
+
+
+class DSparkDeepseekV4Draft(nn.Module):
+    """The whole draft: projection, K decoder layers, head stack, Markov/confidence heads.
+
+    ``embed_tokens`` and ``lm_head`` are the target's (``share_target_heads``); the
+    draft checkpoint has none of its own.
+    """
+
+    has_own_embed_tokens = False
+    has_own_lm_head = False
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        from vllm.model_executor.layers.mhc import HCHeadOp
+
+        hf = draft_hf_config(vllm_config)
+        self.config = hf
+        s = DSparkDraftShape.from_hf_config(hf)
+        self.shape = s
+        quant_config = vllm_config.quant_config
+        base = maybe_prefix(prefix, "model")
+        self.main_proj = ReplicatedLinear(
+            s.hidden_size * len(s.target_layer_ids),
+            s.hidden_size,
+            bias=False,
+            return_bias=False,
+            quant_config=quant_config,
+            prefix=f"{base}.main_proj",
+        )
+        self.main_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        # Layer ids continue after the target's so registered names never collide.
+        self.layers = nn.ModuleList(
+            DSparkDraftLayer(vllm_config, s, hf, prefix=f"{base}.layers.{s.num_target_layers + j}")
+            for j in range(s.num_draft_layers)
+        )
+        self.norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        width = s.hc_mult * s.hidden_size
+        self.hc_head_fn = nn.Parameter(
+            torch.empty(s.hc_mult, width, dtype=torch.float32), requires_grad=False
+        )
+        self.hc_head_base = nn.Parameter(
+            torch.empty(s.hc_mult, dtype=torch.float32), requires_grad=False
+        )
+        self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+        self.hc_head = HCHeadOp()
+        self.markov_head = DSparkMarkovHead(
+            s.vocab_size, s.vocab_size, s.markov_rank, prefix=f"{base}.markov_head"
+        )
+        self.confidence_head: DSparkConfidenceHead | None = None
+        if s.confidence_head:
+            self.confidence_head = DSparkConfidenceHead(
+                s.hidden_size + s.markov_rank, prefix=f"{base}.confidence_head"
+            )
+        self.logits_processor = LogitsProcessor(s.vocab_size)
+        self.embed_tokens: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+
+    # --- shared target pieces ------------------------------------------------
+
+    def share_target_heads(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        """Alias the target's token embedding and LM head (frozen, shared)."""
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+
+    # --- hooks used by the proposer ------------------------------------------
+
+    def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[T, m*H]`` concatenated target aux hidden states -> ``main_x [T, H]``."""
+        return self.main_norm(self.main_proj(aux_hidden_states))
+
+    def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Context KV of every draft layer for rows ``main_x [T, H]``: ``[T, K, D]``."""
+        if main_x.shape[0] == 0:
+            return main_x.new_empty((0, len(self.layers), self.shape.head_dim))
+        return torch.stack(
+            [layer.attn.context_kv(main_x, positions) for layer in self.layers], dim=1
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: DraftContext,
+    ) -> torch.Tensor:
+        """Block pass. ``input_ids``/``positions`` ``[R, N]`` -> head hidden ``[R, N, H]``.
+
+        Returns the pre-norm ``hc_head`` output (what the confidence head reads);
+        ``compute_logits`` applies ``norm`` and the LM head.
+        """
+        if self.embed_tokens is None:
+            raise RuntimeError("share_target_heads() must be called before forward()")
+        num_requests, n = input_ids.shape
+        s = self.shape
+        if context.mask.shape != (num_requests, context.caches[0].shape[1]):
+            raise ValueError(
+                f"context.mask must be [R, W] = [{num_requests}, {context.caches[0].shape[1]}], "
+                f"got {tuple(context.mask.shape)}"
+            )
+        flat_ids = input_ids.reshape(-1)
+        flat_pos = positions.reshape(-1).long()
+        x = self.embed_tokens(flat_ids)
+        x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
+        slots = context.slots.long()
+        for layer, cache in zip(self.layers, context.caches, strict=True):
+            ctx_kv = cache.index_select(0, slots)
+            x = layer(x, flat_pos, flat_ids, ctx_kv, context.mask, num_requests)
+        hc_head = hc_head_torch if _cpu_kernel_missing("hc_head_fused_cpu") else self.hc_head
+        h = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps)
+        return h.view(num_requests, n, s.hidden_size)
+
+    def compute_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
+        """Base logits ``U = lm_head(norm(h))`` over the full (target) vocabulary."""
+        if self.lm_head is None:
+            raise RuntimeError("share_target_heads() must be called before compute_logits()")
+        lead = head_hidden.shape[:-1]
+        logits = self.logits_processor(
+            self.lm_head, self.norm(head_hidden.reshape(-1, head_hidden.shape[-1]))
+        )
+        return logits.view(*lead, logits.shape[-1])
+
+    def markov_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.markov_head.embed(token_ids)
+
+    def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
+        return self.markov_head.bias(markov_embed, self.logits_processor)
+
+    def compute_confidence(
+        self, head_hidden: torch.Tensor, markov_embed: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``sigmoid(w . [h_k ; e_k])`` per slot, or None without a confidence head."""
+        if self.confidence_head is None:
+            return None
+        lead = head_hidden.shape[:-1]
+        logit = self.confidence_head(
+            head_hidden.reshape(-1, head_hidden.shape[-1]),
+            markov_embed.reshape(-1, markov_embed.shape[-1]).to(head_hidden.dtype),
+        )
+        return torch.sigmoid(logit).view(*lead)
+
+    # --- weights -------------------------------------------------------------
+
+    def _map_name(self, name: str) -> str | None:
+        """Checkpoint ``mtp.{j}.*`` name -> parameter name here (None: not the draft's)."""
+        m = _STAGE.match(name)
+        if m is None:
+            return None
+        stage, rest = int(m.group(1)), m.group(2)
+        if stage >= len(self.layers):
+            return None
+        if rest.startswith(("main_proj.", "main_norm.", "confidence_head.")) or rest.startswith(
+            _HEAD_PARAMS
+        ):
+            if rest.startswith("confidence_head.") and self.confidence_head is None:
+                return None
+            return rest
+        rest = rest.replace(".shared_experts.w2.", ".shared_experts.down_proj.")
+        if rest == "ffn.gate.bias":
+            rest = "ffn.gate.e_score_correction_bias"
+        if rest.endswith(".scale") and not rest.startswith("hc_"):
+            expert = re.search(r"\.experts\.\d+\.w[123]\.scale$", rest)
+            fp4 = getattr(self.config, "expert_dtype", "fp4") == "fp4"
+            suffix = ".weight_scale" if expert and fp4 else ".weight_scale_inv"
+            rest = rest.removesuffix(".scale") + suffix
+        return f"layers.{stage}.{rest}"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
+
+        expert_mapping = fused_moe_make_expert_params_mapping(
+            self,
+            ckpt_gate_proj_name="w1",
+            ckpt_down_proj_name="w2",
+            ckpt_up_proj_name="w3",
+            num_experts=self.config.n_routed_experts,
+        )
+        shared_shards = ((".shared_experts.w1.", 0), (".shared_experts.w3.", 1))
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        saw_confidence = False
+        for ckpt_name, tensor in weights:
+            name = self._map_name(ckpt_name)
+            if name is None:
+                continue
+            saw_confidence |= name.startswith("confidence_head.")
+            if ".ffn.experts." in name:
+                if "weight_scale" in name and tensor.dtype == torch.float8_e8m0fnu:
+                    tensor = tensor.view(torch.uint8)
+                for param_name, weight_name, expert_id, shard_id in expert_mapping:
+                    if weight_name not in name:
+                        continue
+                    target = name.replace(weight_name, param_name)
+                    param = params[target]
+                    if param.weight_loader(
+                        param,
+                        tensor,
+                        target,
+                        shard_id=shard_id,
+                        expert_id=expert_id,
+                        return_success=True,
+                    ):
+                        loaded.add(target)
+                        break
+                else:
+                    raise ValueError(f"no expert parameter for checkpoint weight {ckpt_name!r}")
+                continue
+            for needle, shard in shared_shards:
+                if needle in name:
+                    target = name.replace(needle, ".shared_experts.gate_up_proj.")
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(
+                        f"checkpoint weight {ckpt_name!r} maps to {name!r}, which the DSpark "
+                        "draft does not have"
+                    )
+                param = params[name]
+                if name.endswith("attn.attn_sink"):
+                    param.data.copy_(tensor[: param.shape[0]].to(param.dtype))
+                else:
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        if self.confidence_head is not None and not saw_confidence:
+            logger.warning("DSpark checkpoint has no confidence head weights; confidence disabled")
+            self.confidence_head = None
+            loaded = {n for n in loaded if not n.startswith("confidence_head.")}
+        return loaded

@@ -1,0 +1,119 @@
+"""DSpark sequential stage: Markov-head sampling over one drafted block.
+
+The draft backbone produces base logits ``U [R, N, V]`` for a whole block in one pass.
+The Markov head then walks the block left to right; slot ``k`` gets a transition bias
+from the token chosen at slot ``k - 1`` (the anchor for ``k = 0``)::
+
+    prev = anchor
+    for k in 0..N-1:
+        e_k = W1[prev]                # [R, r]
+        z_k = U[:, k] + W2 e_k        # [R, V]
+        x_k = argmax(z_k)             # greedy rows
+            | sample(softmax(z_k / T))  # rows with temperature T > 0
+        prev = x_k
+
+``q_k = softmax(z_k / T)`` is what the rejection sampler needs for probabilistic
+drafting (one-hot of ``x_k`` for greedy rows). ``e_k`` is kept because the confidence
+head reads ``[h_k ; e_k]``.
+
+Pure torch, no vLLM import: the same code runs on CPU and GPU and is unit-tested alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MarkovDraft", "markov_block_sample"]
+
+
+@dataclass
+class MarkovDraft:
+    """Result of one Markov pass over a block."""
+
+    tokens: torch.Tensor  # [R, N] int64, x_0..x_{N-1}
+    embeds: torch.Tensor  # [R, N, r], e_k = W1[token conditioning slot k]
+    probs: torch.Tensor | None  # [R, N, V] float32 draft distribution q_k, if asked
+
+
+def _check(base_logits: torch.Tensor, anchor: torch.Tensor, temperature) -> None:
+    if not isinstance(base_logits, torch.Tensor) or base_logits.dim() != 3:
+        raise ValueError("base_logits must be a tensor of shape [R, N, V]")
+    num_requests = base_logits.shape[0]
+    if not isinstance(anchor, torch.Tensor) or tuple(anchor.shape) != (num_requests,):
+        raise ValueError(f"anchor must have shape [R] with R={num_requests}")
+    if anchor.dtype.is_floating_point:
+        raise ValueError(f"anchor must be an integer tensor, got {anchor.dtype}")
+    if temperature is not None and (
+        not isinstance(temperature, torch.Tensor) or tuple(temperature.shape) != (num_requests,)
+    ):
+        raise ValueError(f"temperature must be None or a tensor of shape [R] with R={num_requests}")
+
+
+def markov_block_sample(
+    base_logits: torch.Tensor,
+    anchor: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    bias: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    temperature: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    return_probs: bool = False,
+) -> MarkovDraft:
+    """Sample one block left to right with the Markov transition bias.
+
+    Args:
+        base_logits: ``[R, N, V]`` backbone logits for the N block slots.
+        anchor: ``[R]`` token that conditions slot 0 (the bonus / anchor token).
+        embed: ``ids [R] -> e [R, r]`` (the Markov ``W1`` lookup).
+        bias: ``e [R, r] -> [R, V]`` (the Markov ``W2`` projection).
+        temperature: ``[R]`` per-request temperature; rows with ``T <= 0`` (or
+            ``temperature=None`` for all rows) are greedy.
+        generator: RNG for the random rows. Sampling uses the exponential race
+            ``argmax(q / E)``, ``E ~ Exp(1)``, which draws exactly from ``q``.
+        return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
+    """
+    _check(base_logits, anchor, temperature)
+    num_requests, num_slots, vocab = base_logits.shape
+    device = base_logits.device
+    tokens = torch.empty((num_requests, num_slots), dtype=torch.int64, device=device)
+    probs = (
+        torch.empty((num_requests, num_slots, vocab), dtype=torch.float32, device=device)
+        if return_probs
+        else None
+    )
+    if temperature is None:
+        random_rows = None
+    else:
+        temperature = temperature.to(device=device, dtype=torch.float32)
+        random_rows = temperature > 0
+        # Greedy rows keep T=1 so the division is harmless; their draw is the argmax.
+        safe_t = torch.where(random_rows, temperature, torch.ones_like(temperature))
+
+    prev = anchor.to(device=device, dtype=torch.int64)
+    embeds = []
+    for k in range(num_slots):
+        e_k = embed(prev)
+        embeds.append(e_k)
+        z_k = base_logits[:, k].float() + bias(e_k).float()
+        greedy_tok = z_k.argmax(dim=-1)
+        if random_rows is None:
+            x_k = greedy_tok
+            q_k = None
+            if probs is not None:
+                q_k = torch.zeros_like(z_k).scatter_(1, x_k[:, None], 1.0)
+        else:
+            q_k = torch.softmax(z_k / safe_t[:, None], dim=-1)
+            race = torch.empty_like(q_k).exponential_(generator=generator)
+            sampled = (q_k / race).argmax(dim=-1)
+            x_k = torch.where(random_rows, sampled, greedy_tok)
+            if probs is not None:
+                one_hot = torch.zeros_like(q_k).scatter_(1, x_k[:, None], 1.0)
+                q_k = torch.where(random_rows[:, None], q_k, one_hot)
+        tokens[:, k] = x_k
+        if probs is not None:
+            probs[:, k] = q_k
+        prev = x_k
+    return MarkovDraft(tokens=tokens, embeds=torch.stack(embeds, dim=1), probs=probs)

@@ -1,0 +1,98 @@
+"""Helpers shared by the DSpark tests: a standalone draft model and reference pieces."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_tiny_model(path: Path = TINY_MODEL) -> Path:
+    """The tiny DeepSeek-V4-DSpark checkpoint, generated on first use."""
+    if not (path / "config.json").exists():
+        import subprocess
+        import sys
+
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tiny_model.py"),
+                "--dspark",
+                "--quiet",
+                "--out",
+                str(path),
+            ],
+            check=True,
+        )
+    return path
+
+
+_DIST = {"ready": False}
+
+
+def vllm_single_process(model_dir: Path):
+    """A VllmConfig for ``model_dir`` plus a 1-rank gloo model-parallel group."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    mc = ModelConfig(
+        model=str(model_dir), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True
+    )
+    vc = VllmConfig(model_config=mc)
+    if not _DIST["ready"]:
+        with set_current_vllm_config(vc):
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+        _DIST["ready"] = True
+    return vc
+
+
+def build_draft(model_dir: Path):
+    """The DSpark draft of ``model_dir`` with checkpoint weights and the target's heads."""
+    import torch
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.models.deepseek_v4.cpu.dspark import DSparkDeepseekV4ForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vc = vllm_single_process(model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        draft = DSparkDeepseekV4ForCausalLM(vllm_config=vc)
+        shape = draft.shape
+        embed = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size)
+        head = ParallelLMHead(shape.vocab_size, shape.hidden_size)
+    loaded = draft.load_weights(tensors.items())
+    missing = {n for n, _ in draft.named_parameters()} - loaded
+    assert not missing, f"draft weights not loaded: {sorted(missing)}"
+    embed.weight.data.copy_(tensors["embed.weight"])
+    head.weight.data.copy_(tensors["head.weight"])
+    with set_current_vllm_config(vc):
+        for module in (draft, embed, head):
+            process_weights_after_loading(module, vc.model_config, torch.device("cpu"))
+    draft.share_target_heads(embed, head)
+    draft.eval()
+    return draft, vc
