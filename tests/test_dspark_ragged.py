@@ -1,0 +1,612 @@
+"""Tests for the ragged DSpark context path (overlay/vllm/v1/spec_decode/dspark_ragged.py).
+
+Every store result is compared bitwise against `reference_store`, a plain per-request,
+per-row Python loop written here from the issue's contract (not from the module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE_PATH = ROOT / "overlay/vllm/v1/spec_decode/dspark_ragged.py"
+
+
+def _load_module():
+    # Load by path: the overlay's `vllm` package would otherwise clash with the real one.
+    spec = importlib.util.spec_from_file_location("dspark_ragged", MODULE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+dr = _load_module()
+
+BIT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+# ---------------------------------------------------------------------------
+# Independent reference and helpers
+# ---------------------------------------------------------------------------
+
+
+def reference_store(cache, cache_pos, kv, positions, qsl, slots, num_rejected=None):
+    """The contract, one request and one row at a time, in Python ints."""
+    window = cache.shape[1]
+    qsl = [int(x) for x in qsl]
+    positions = [int(x) for x in positions]
+    slots = [int(x) for x in slots]
+    num_requests = len(qsl) - 1
+    rej = [0] * num_requests if num_rejected is None else [int(x) for x in num_rejected]
+    for r in range(num_requests):
+        start, end = qsl[r], qsl[r + 1] - rej[r]
+        if end <= start:
+            continue
+        last = positions[end - 1]
+        for row in range(start, end):
+            pos = positions[row]
+            if pos > last - window:
+                cache[slots[r], pos % window] = kv[row]
+                cache_pos[slots[r], pos % window] = pos
+
+
+def reference_mask(cache_pos, slots, anchors, window):
+    out = torch.zeros(len(slots), window, dtype=torch.bool)
+    for i, (slot, anchor) in enumerate(zip(slots.tolist(), anchors.tolist(), strict=True)):
+        for c in range(window):
+            held = int(cache_pos[slot, c])
+            out[i, c] = held >= 0 and anchor - window <= held < anchor
+    return out
+
+
+def bits(t):
+    return t.view(BIT_VIEW[t.dtype]) if t.dtype in BIT_VIEW else t
+
+
+def assert_bitwise_equal(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(bits(a), bits(b))
+
+
+def make_cache(num_slots, window, dim, dtype, gen):
+    """Cache pre-filled with junk and plausible positions, so untouched cells are checked."""
+    cache = torch.randn(num_slots, window, dim, generator=gen).to(dtype)
+    cache_pos = torch.randint(-1, 2000, (num_slots, window), generator=gen)
+    return cache, cache_pos
+
+
+def qsl_of(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def contiguous_positions(starts, lengths):
+    return torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+        or [torch.zeros(0, dtype=torch.int64)]
+    )
+
+
+def run_both(cache, cache_pos, kv, positions, qsl, slots, rej):
+    """Store with the module and with the reference on copies; assert bitwise equality."""
+    got_c, got_p = cache.clone(), cache_pos.clone()
+    ref_c, ref_p = cache.clone(), cache_pos.clone()
+    dr.store_context_kv(got_c, got_p, kv, positions, qsl, slots, rej)
+    reference_store(ref_c, ref_p, kv, positions, qsl, slots, rej)
+    assert_bitwise_equal(got_c, ref_c)
+    assert torch.equal(got_p, ref_p)
+    return got_c, got_p
+
+
+# ---------------------------------------------------------------------------
+# Property tests
+# ---------------------------------------------------------------------------
+
+
+@st.composite
+def ragged_steps(draw, window, dtype):
+    """A packed step mixing prefill chunks (1..300 rows) and verify segments (1..6 rows)."""
+    num_requests = draw(st.integers(1, 64))
+    num_slots = num_requests + draw(st.integers(0, 8))
+    lengths, rejected, starts, gapped = [], [], [], []
+    for _ in range(num_requests):
+        if draw(st.integers(0, 3)) == 0:  # prefill chunk
+            n = draw(st.integers(1, 300))
+            rej = draw(st.sampled_from([0, 0, 0, n]))  # rarely: nothing accepted
+        else:  # verify rows: anchor + drafts, a suffix rejected
+            n = draw(st.integers(1, 6))
+            rej = draw(st.integers(0, n))
+        lengths.append(n)
+        rejected.append(rej)
+        starts.append(draw(st.integers(0, 1000)))
+        gapped.append(draw(st.booleans()) and draw(st.booleans()))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return num_requests, window, dtype, num_slots, lengths, rejected, starts, gapped, seed
+
+
+def build_step(num_requests, window, dtype, num_slots, lengths, rejected, starts, gapped, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dim = 8
+    cache, cache_pos = make_cache(num_slots, window, dim, dtype, gen)
+    segs = []
+    for s, n, gap in zip(starts, lengths, gapped, strict=True):
+        # Gapped segments have strictly increasing but non-contiguous positions, so
+        # "position > last - W" differs from "the last W rows".
+        steps = (
+            torch.randint(1, 4, (n,), generator=gen) if gap else torch.ones(n, dtype=torch.int64)
+        )
+        segs.append(s + steps.cumsum(0) - steps[0])
+    positions = torch.cat(segs)
+    kv = torch.randn(positions.numel(), dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_slots, generator=gen)[:num_requests]
+    rej = torch.tensor(rejected)
+    return cache, cache_pos, kv, positions, qsl_of(lengths), slots, rej
+
+
+@pytest.mark.parametrize("window", [4, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_store_matches_per_request_reference(window, dtype):
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(ragged_steps(window, dtype))
+    def check(step):
+        run_both(*build_step(*step))
+
+    check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_requests=st.integers(1, 64),
+    seg_len=st.integers(1, 300),
+    window=st.sampled_from([4, 128]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_rejections=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_flat_path_equals_ragged_path_on_uniform_batches(
+    num_requests, seg_len, window, dtype, with_rejections, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    seg_len = min(seg_len, 6) if num_requests > 16 else seg_len  # keep T modest
+    lengths = [seg_len] * num_requests
+    starts = torch.randint(0, 1000, (num_requests,), generator=gen).tolist()
+    positions = contiguous_positions(starts, lengths)
+    kv = torch.randn(positions.numel(), 8, generator=gen).to(dtype)
+    slots = torch.randperm(num_requests + 3, generator=gen)[:num_requests]
+    rej = torch.randint(0, seg_len + 1, (num_requests,), generator=gen) if with_rejections else None
+    cache, cache_pos = make_cache(num_requests + 3, window, 8, dtype, gen)
+    qsl = qsl_of(lengths)
+    assert not dr.is_ragged(qsl)
+
+    flat_c, flat_p = run_both(cache, cache_pos, kv, positions, qsl, slots, rej)
+    # Force the ragged path on the same rows by calling it directly.
+    rej_t = torch.zeros(num_requests, dtype=torch.int64) if rej is None else rej
+    rows, ring_rows = dr._ragged_write_rows(
+        positions, qsl.long(), torch.tensor(lengths), rej_t, slots, window
+    )
+    ragged_c, ragged_p = cache.clone(), cache_pos.clone()
+    cells = (ring_rows, positions[rows] % window)
+    ragged_c.index_put_(cells, kv[rows])
+    ragged_p.index_put_(cells, positions[rows])
+    assert_bitwise_equal(flat_c, ragged_c)
+    assert torch.equal(flat_p, ragged_p)
+
+
+# ---------------------------------------------------------------------------
+# Targeted store tests
+# ---------------------------------------------------------------------------
+
+
+def test_uniform_batches_take_flat_path_and_ragged_ones_the_ragged_path(monkeypatch):
+    calls = []
+    for name in ("_flat_write_rows", "_ragged_write_rows"):
+        original = getattr(dr, name)
+
+        def spy(*args, _name=name, _original=original):
+            calls.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(dr, name, spy)
+    cache, cache_pos = torch.zeros(4, 8, 2), torch.full((4, 8), -1)
+    slots = torch.tensor([1, 3])
+    dr.store_context_kv(cache, cache_pos, torch.ones(6, 2), torch.arange(6), qsl_of([3, 3]), slots)
+    dr.store_context_kv(cache, cache_pos, torch.ones(6, 2), torch.arange(6), qsl_of([5, 1]), slots)
+    assert calls == ["_flat_write_rows", "_ragged_write_rows"]
+
+
+def test_ragged_step_then_flat_step_equals_per_request():
+    gen = torch.Generator().manual_seed(0)
+    window, dim = 16, 4
+    cache = torch.zeros(4, window, dim, dtype=torch.bfloat16)
+    cache_pos = torch.full((4, window), -1)
+    ref_c, ref_p = cache.clone(), cache_pos.clone()
+    slots = torch.tensor([2, 0, 3])
+
+    # Step 1 (ragged): a 40-row prefill chunk, a 5-row chunk, a 3-row verify.
+    lengths1, starts1 = [40, 5, 3], [0, 0, 10]
+    pos1 = contiguous_positions(starts1, lengths1)
+    kv1 = torch.randn(pos1.numel(), dim, generator=gen).to(torch.bfloat16)
+    rej1 = torch.tensor([0, 0, 1])
+    assert dr.is_ragged(qsl_of(lengths1))
+    dr.store_context_kv(cache, cache_pos, kv1, pos1, qsl_of(lengths1), slots, rej1)
+
+    # Step 2 (flat): every request verifies 4 rows starting after its anchor.
+    anchors = (
+        pos1[dr.anchor_rows(qsl_of(lengths1), rej1)] + 1
+    ).tolist()  # next position per request
+    lengths2 = [4, 4, 4]
+    pos2 = contiguous_positions(anchors, lengths2)
+    kv2 = torch.randn(pos2.numel(), dim, generator=gen).to(torch.bfloat16)
+    rej2 = torch.tensor([3, 0, 2])
+    assert not dr.is_ragged(qsl_of(lengths2))
+    dr.store_context_kv(cache, cache_pos, kv2, pos2, qsl_of(lengths2), slots, rej2)
+
+    # Per request, one request at a time.
+    for r in range(3):
+        for lengths, pos, kv, rej in ((lengths1, pos1, kv1, rej1), (lengths2, pos2, kv2, rej2)):
+            q = qsl_of(lengths)
+            lo, hi = int(q[r]), int(q[r + 1])
+            reference_store(
+                ref_c,
+                ref_p,
+                kv[lo:hi],
+                pos[lo:hi],
+                [0, hi - lo],
+                slots[r : r + 1],
+                rej[r : r + 1],
+            )
+    assert_bitwise_equal(cache, ref_c)
+    assert torch.equal(cache_pos, ref_p)
+
+
+def test_rejected_rows_never_overwrite_live_context():
+    window, dim = 4, 2
+    cache = torch.zeros(1, window, dim)
+    cache_pos = torch.full((1, window), -1)
+    # Context 0..3 fills the ring.
+    ctx = torch.arange(4.0)[:, None].expand(4, dim).contiguous()
+    dr.store_context_kv(cache, cache_pos, ctx, torch.arange(4), qsl_of([4]), torch.tensor([0]))
+    # Verify rows at 4..7: anchor accepted, 3 drafts rejected. Positions 5, 6, 7 alias
+    # cells 1, 2, 3, which hold 1, 2, 3: still inside the next window [1, 4].
+    verify = torch.full((4, dim), 99.0)
+    dr.store_context_kv(
+        cache,
+        cache_pos,
+        verify,
+        torch.arange(4, 8),
+        qsl_of([4]),
+        torch.tensor([0]),
+        torch.tensor([3]),
+    )
+    assert cache_pos[0].tolist() == [4, 1, 2, 3]
+    assert cache[0, :, 0].tolist() == [99.0, 1.0, 2.0, 3.0]
+    mask = dr.window_mask(cache_pos, torch.tensor([0]), torch.tensor([5]), window)
+    assert mask.tolist() == [[True, True, True, True]]
+
+
+def test_long_segment_keeps_last_window_of_accepted_positions():
+    window, dim = 8, 3
+    cache = torch.zeros(2, window, dim)
+    cache_pos = torch.full((2, window), -1)
+    positions = torch.arange(100, 130)  # 30 rows
+    kv = positions.float()[:, None].expand(30, dim).contiguous()
+    dr.store_context_kv(
+        cache, cache_pos, kv, positions, qsl_of([30]), torch.tensor([1]), torch.tensor([5])
+    )
+    # Accepted 100..124; the last 8 are 117..124.
+    assert sorted(cache_pos[1].tolist()) == list(range(117, 125))
+    for c in range(window):
+        assert cache[1, c, 0].item() == float(cache_pos[1, c])
+        assert int(cache_pos[1, c]) % window == c
+    assert (cache_pos[0] == -1).all() and (cache[0] == 0).all()
+
+
+def test_empty_and_fully_rejected_segments_write_nothing():
+    cache = torch.ones(3, 4, 2)
+    cache_pos = torch.full((3, 4), 7)
+    kv = torch.zeros(5, 2)
+    dr.store_context_kv(
+        cache,
+        cache_pos,
+        kv,
+        torch.tensor([10, 11, 12, 0, 1]),
+        torch.tensor([0, 0, 3, 5]),
+        torch.tensor([0, 1, 2]),
+        torch.tensor([0, 3, 1]),
+    )
+    # Request 0 has no rows, request 1 rejected all 3, request 2 keeps position 0 only.
+    assert (cache[:2] == 1).all() and (cache_pos[:2] == 7).all()
+    assert cache_pos[2].tolist() == [0, 7, 7, 7]
+    assert cache[2, 0].tolist() == [0.0, 0.0] and (cache[2, 1:] == 1).all()
+
+
+# ---------------------------------------------------------------------------
+# Layout helpers
+# ---------------------------------------------------------------------------
+
+
+def test_segment_lengths_is_ragged_and_anchor_rows():
+    qsl = torch.tensor([0, 6, 12, 18], dtype=torch.int32)
+    assert dr.segment_lengths(qsl).tolist() == [6, 6, 6]
+    assert dr.segment_lengths(qsl).dtype == torch.int64
+    assert not dr.is_ragged(qsl)
+    assert not dr.is_ragged(torch.tensor([0, 300]))
+    assert not dr.is_ragged(torch.tensor([0]))
+    assert dr.is_ragged(torch.tensor([0, 256, 262, 268]))
+    assert dr.anchor_rows(qsl).tolist() == [5, 11, 17]
+    rows = dr.anchor_rows(torch.tensor([0, 256, 262, 268]), torch.tensor([0, 2, 5]))
+    assert rows.dtype == torch.int64 and rows.tolist() == [255, 259, 262]
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda: dr.segment_lengths(torch.tensor([1, 3])), r"query_start_loc\[0\]"),
+        (lambda: dr.is_ragged(torch.tensor([0, 3, 2])), "non-decreasing"),
+        (lambda: dr.is_ragged(torch.tensor([0.0, 3.0])), "integer"),
+        (lambda: dr.segment_lengths(torch.zeros(0, dtype=torch.int64)), r"R\+1"),
+        (lambda: dr.anchor_rows(torch.tensor([0, 3, 5]), torch.tensor([0])), "num_rejected"),
+        (lambda: dr.anchor_rows(torch.tensor([0, 3, 5]), torch.tensor([0, 2])), "< segment"),
+        (lambda: dr.anchor_rows(torch.tensor([0, 3, 5]), torch.tensor([-1, 0])), ">= 0"),
+    ],
+)
+def test_layout_helpers_reject_bad_input(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+# ---------------------------------------------------------------------------
+# window_mask
+# ---------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    window=st.sampled_from([4, 16]),
+    num_requests=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_window_mask_matches_reference(window, num_requests, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache_pos = torch.randint(-1, 60, (num_requests + 2, window), generator=gen)
+    slots = torch.randperm(num_requests + 2, generator=gen)[:num_requests]
+    anchors = torch.randint(0, 70, (num_requests,), generator=gen)
+    got = dr.window_mask(cache_pos, slots, anchors, window)
+    assert got.dtype == torch.bool and got.shape == (num_requests, window)
+    assert torch.equal(got, reference_mask(cache_pos, slots, anchors, window))
+
+
+def test_window_mask_rejects_bad_input():
+    cache_pos = torch.full((2, 4), -1)
+    with pytest.raises(ValueError, match="W must be"):
+        dr.window_mask(cache_pos, torch.tensor([0]), torch.tensor([3]), 5)
+    with pytest.raises(ValueError, match="slots must be in"):
+        dr.window_mask(cache_pos, torch.tensor([2]), torch.tensor([3]), 4)
+    with pytest.raises(ValueError, match="anchor_positions"):
+        dr.window_mask(cache_pos, torch.tensor([0, 1]), torch.tensor([3]), 4)
+    with pytest.raises(ValueError, match="cache_pos must be int64"):
+        dr.window_mask(cache_pos.int(), torch.tensor([0]), torch.tensor([3]), 4)
+
+
+# ---------------------------------------------------------------------------
+# SlotTable: KV follows the request id
+# ---------------------------------------------------------------------------
+
+
+def _decode_step(table, cache, cache_pos, req_ids, next_pos, kv_value):
+    """One decode step (1 row per request) for the given batch order."""
+    slots = table.assign(req_ids)
+    positions = torch.tensor([next_pos[r] for r in req_ids])
+    kv = torch.tensor([[float(kv_value[r](next_pos[r]))] for r in req_ids])
+    dr.store_context_kv(cache, cache_pos, kv, positions, qsl_of([1] * len(req_ids)), slots)
+    for r in req_ids:
+        next_pos[r] += 1
+    return slots
+
+
+def test_slot_table_reorder_and_condense_keep_context_with_request():
+    window = 4
+    table = dr.SlotTable(4)
+    cache = torch.zeros(4, window, 1)
+    cache_pos = torch.full((4, window), -1)
+    value = {"a": lambda p: 1000 + p, "b": lambda p: 2000 + p, "c": lambda p: 3000 + p}
+    next_pos = {"a": 0, "b": 0, "c": 0}
+
+    first = _decode_step(table, cache, cache_pos, ["a", "b", "c"], next_pos, value)
+    assert first.tolist() == [0, 1, 2]
+    # vLLM reorders the batch: rows move, slots do not.
+    assert _decode_step(table, cache, cache_pos, ["c", "a", "b"], next_pos, value).tolist() == [
+        2,
+        0,
+        1,
+    ]
+    # "b" finishes; the batch condenses and "c" moves to batch row 1.
+    assert table.release("b", cache_pos) == 1
+    assert _decode_step(table, cache, cache_pos, ["a", "c"], next_pos, value).tolist() == [0, 2]
+    # Each ring row holds only its own request's values, at its own positions.
+    for req, slot in (("a", 0), ("c", 2)):
+        held = sorted(int(p) for p in cache_pos[slot] if p >= 0)
+        assert held == [0, 1, 2]
+        for c in range(window):
+            if cache_pos[slot, c] >= 0:
+                assert cache[slot, c, 0].item() == value[req](int(cache_pos[slot, c]))
+    # A new request takes the lowest free row (the one "b" released).
+    assert table.assign(["a", "d", "c"]).tolist() == [0, 1, 2]
+    assert len(table) == 3 and table.num_free == 1 and "d" in table and "b" not in table
+
+
+def test_reused_slot_does_not_expose_old_context():
+    window = 8
+    table = dr.SlotTable(2)
+    cache = torch.zeros(2, window, 1)
+    cache_pos = torch.full((2, window), -1)
+    # Request "old" fills row 0 with positions 92..99.
+    slot = table.assign(["old"])
+    positions = torch.arange(92, 100)
+    dr.store_context_kv(cache, cache_pos, torch.ones(8, 1), positions, qsl_of([8]), slot)
+    assert table.release("old", [cache_pos]) == 0
+    assert (cache_pos[0] == -1).all()
+
+    # Request "new" reuses row 0 after a prefix-cache hit: it only stores 96..97,
+    # so the cells for 90..95 are holes. Its anchor is 98: window [90, 98).
+    slot = table.assign(["new"])
+    assert slot.tolist() == [0]
+    dr.store_context_kv(
+        cache, cache_pos, torch.full((2, 1), 5.0), torch.tensor([96, 97]), qsl_of([2]), slot
+    )
+    mask = dr.window_mask(cache_pos, slot, torch.tensor([98]), window)
+    visible = sorted(int(cache_pos[0, c]) for c in range(window) if mask[0, c])
+    assert visible == [96, 97]
+    assert (cache[0][mask[0]] == 5.0).all()
+
+
+def test_slot_table_full_and_bad_input():
+    table = dr.SlotTable(2)
+    table.assign(["a", "b"])
+    with pytest.raises(dr.SlotTableFullError, match="full"):
+        table.assign(["a", "c"])
+    assert "c" not in table and table.num_free == 0  # all-or-nothing
+    with pytest.raises(ValueError, match="distinct"):
+        table.assign(["a", "a"])
+    assert table.release("never-seen") is None
+    with pytest.raises(ValueError, match="num_slots"):
+        dr.SlotTable(0)
+    with pytest.raises(ValueError, match="cache_pos"):
+        table.release("a", torch.full((3, 4), -1))
+    assert "a" in table  # a failed release frees nothing
+
+
+def test_clear_slots():
+    cache_pos = torch.arange(12).view(3, 4)
+    dr.clear_slots(cache_pos, [0, 2])
+    assert cache_pos.tolist() == [[-1] * 4, [4, 5, 6, 7], [-1] * 4]
+    with pytest.raises(ValueError, match="slots must be in"):
+        dr.clear_slots(cache_pos, [3])
+
+
+# ---------------------------------------------------------------------------
+# Invalid input: ValueError naming the argument, nothing written
+# ---------------------------------------------------------------------------
+
+
+def _valid_args():
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 2, 3]
+    return {
+        "cache": torch.randn(4, 4, 3, generator=gen),
+        "cache_pos": torch.randint(-1, 50, (4, 4), generator=gen),
+        "kv": torch.randn(10, 3, generator=gen),
+        "positions": contiguous_positions([0, 7, 20], lengths),
+        "query_start_loc": qsl_of(lengths),
+        "slots": torch.tensor([3, 0, 1]),
+        "num_rejected": torch.tensor([0, 1, 2]),
+    }
+
+
+BAD_INPUTS = {
+    "cache 2-D": ("cache", lambda a: a["cache"][0], "cache must have shape"),
+    "cache_pos shape": ("cache_pos", lambda a: a["cache_pos"][:3], "cache_pos must have shape"),
+    "cache_pos dtype": ("cache_pos", lambda a: a["cache_pos"].int(), "cache_pos must be int64"),
+    "kv width": ("kv", lambda a: a["kv"][:, :2], r"kv must have shape \[T, D\]"),
+    "kv dtype": ("kv", lambda a: a["kv"].double(), "kv must have the cache dtype"),
+    "kv not tensor": ("kv", lambda a: a["kv"].tolist(), "kv must be a torch.Tensor"),
+    "positions length": ("positions", lambda a: a["positions"][:9], "positions must have shape"),
+    "positions float": (
+        "positions",
+        lambda a: a["positions"].float(),
+        "positions must be an integer",
+    ),
+    "positions negative": ("positions", lambda a: a["positions"] - 3, "positions must be >= 0"),
+    "positions not increasing": (
+        "positions",
+        lambda a: a["positions"].flip(0),
+        "positions must be strictly increasing",
+    ),
+    "positions repeated": (
+        "positions",
+        lambda a: torch.tensor([0, 1, 1, 2, 3, 7, 8, 20, 21, 22]),
+        "positions must be strictly increasing",
+    ),
+    "qsl start": (
+        "query_start_loc",
+        lambda a: torch.tensor([1, 5, 7, 10]),
+        r"query_start_loc\[0\]",
+    ),
+    "qsl decreasing": (
+        "query_start_loc",
+        lambda a: torch.tensor([0, 7, 5, 10]),
+        "query_start_loc must be non-decreasing",
+    ),
+    "qsl end": ("query_start_loc", lambda a: torch.tensor([0, 5, 7, 9]), r"query_start_loc\[-1\]"),
+    "qsl 2-D": (
+        "query_start_loc",
+        lambda a: a["query_start_loc"][None],
+        "query_start_loc must have shape",
+    ),
+    "slots length": ("slots", lambda a: torch.tensor([3, 0]), r"slots must have shape \[R\]"),
+    "slots range": ("slots", lambda a: torch.tensor([3, 0, 4]), r"slots must be in \[0, S=4\)"),
+    "slots negative": ("slots", lambda a: torch.tensor([3, -1, 1]), "slots must be in"),
+    "slots repeated": ("slots", lambda a: torch.tensor([3, 0, 3]), "slots must be distinct"),
+    "rejected length": (
+        "num_rejected",
+        lambda a: torch.tensor([0, 1]),
+        "num_rejected must have shape",
+    ),
+    "rejected negative": (
+        "num_rejected",
+        lambda a: torch.tensor([0, -1, 0]),
+        "num_rejected must be >= 0",
+    ),
+    "rejected too many": (
+        "num_rejected",
+        lambda a: torch.tensor([0, 3, 0]),
+        "num_rejected.* must be <= segment length",
+    ),
+    "rejected float": (
+        "num_rejected",
+        lambda a: a["num_rejected"].float(),
+        "num_rejected must be an integer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_invalid_input_raises_and_writes_nothing(case):
+    name, mutate, message = BAD_INPUTS[case]
+    args = _valid_args()
+    cache, cache_pos = args["cache"], args["cache_pos"]
+    cache_before, pos_before = cache.clone(), cache_pos.clone()
+    args[name] = mutate(args)  # a mutated cache is a view of, or copied from, the original
+    with pytest.raises(ValueError, match=message):
+        dr.store_context_kv(**args)
+    assert torch.equal(bits(cache), bits(cache_before))
+    assert torch.equal(cache_pos, pos_before)
+    assert torch.equal(
+        bits(args["cache"]), bits(cache_before[0] if case == "cache 2-D" else cache_before)
+    )
+
+
+def test_valid_args_fixture_is_valid():
+    """Guards the invalid-input table: the unmutated arguments must store fine."""
+    args = _valid_args()
+    run_both(
+        *(
+            args[k]
+            for k in (
+                "cache",
+                "cache_pos",
+                "kv",
+                "positions",
+                "query_start_loc",
+                "slots",
+                "num_rejected",
+            )
+        )
+    )
