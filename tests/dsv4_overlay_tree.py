@@ -1,0 +1,87 @@
+"""A private, overlay-applied copy of the venv's vLLM for subprocess tests.
+
+``make_vllm_tree(dst)`` lays out ``dst/vllm`` as symlinks to the installed package's files
+(real copies for ``__pycache__``, so nothing is ever written through a link), and
+``apply_overlay(dst)`` / ``revert_overlay(dst)`` run scripts/apply_overlay.sh on it. A
+subprocess with ``PYTHONPATH=dst`` then imports that vLLM instead of the venv's; the venv's
+own files are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+APPLY = REPO / "scripts/apply_overlay.sh"
+
+
+def installed_vllm_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("vllm is not installed in this interpreter")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def make_vllm_tree(dst: Path, src: Path | None = None) -> Path:
+    """Mirror the installed ``vllm`` package under ``dst/vllm``; return ``dst``."""
+    src = src or installed_vllm_dir()
+    for root, _dirs, files in os.walk(src):
+        rel = Path(root).relative_to(src)
+        out = dst / "vllm" / rel
+        out.mkdir(parents=True, exist_ok=True)
+        copy = "__pycache__" in rel.parts
+        for name in files:
+            if copy:
+                shutil.copy2(Path(root) / name, out / name)
+            else:
+                os.symlink(Path(root) / name, out / name)
+    return dst
+
+
+def _run_apply(target: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(APPLY), "--target", str(target), *flags],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OVERLAY_PYTHON": sys.executable},
+        timeout=300,
+    )
+
+
+def apply_overlay(target: Path) -> str:
+    res = _run_apply(target)
+    if res.returncode != 0:
+        raise RuntimeError(f"apply_overlay.sh failed ({res.returncode}):\n{res.stdout}{res.stderr}")
+    return res.stdout
+
+
+def revert_overlay(target: Path) -> str:
+    res = _run_apply(target, "--revert")
+    if res.returncode != 0:
+        raise RuntimeError(f"apply_overlay.sh --revert failed:\n{res.stdout}{res.stderr}")
+    return res.stdout
+
+
+def subprocess_env(tree: Path | None) -> dict[str, str]:
+    """Environment for a vLLM subprocess that imports the vLLM under ``tree``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "PYTHONPATH") and not k.startswith("PYTEST_")
+    }
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_USE_V2_MODEL_RUNNER="0",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
