@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# Entrypoint of the DSpark vLLM image; one image and one compose service for both Spark roles.
+#
+#   serve [EXTRA_ARGS...]  (default) refuse to start without the overlay marker, check this
+#                          node's variables, unset empty NCCL/vLLM variables, resolve the RoCE v2
+#                          GID index from sysfs, render `vllm serve` from the recipe profile
+#                          (scripts/recipe.py), on a worker wait for the head's master port,
+#                          log the command and exec it. EXTRA_ARGS go after the rendered ones.
+#   print-command          the same checks and rendering, print the command, run nothing.
+#   check-overlay          exit 0 if the installed vLLM carries the overlay marker.
+#   health                 Docker healthcheck: the head's /health answers 200 (the worker
+#                          reports the head's health: it serves nothing by itself).
+#   smoke                  one chat completion + /metrics spec-decode counters (scripts/smoke.py).
+#   anything else          exec'd as given (e.g. bash).
+#
+# Environment: PROFILE (recipe profile name or path, default spark-2x), NODE_RANK, MASTER_ADDR,
+# VLLM_HOST_IP, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX (auto|nccl|N),
+# HEAD_WAIT_TIMEOUT_S (worker: seconds to wait for the head, 0 = do not wait). Overridable for
+# tests: DSPARK_HOME (recipe checkout, default: this script's ..), PYTHON, VLLM_BIN, SYSFS_ROOT.
+set -euo pipefail
+
+DSPARK_HOME="${DSPARK_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+PYTHON="${PYTHON:-python3}"
+VLLM_BIN="${VLLM_BIN:-vllm}"
+PROFILE="${PROFILE:-spark-2x}"
+RECIPE="$DSPARK_HOME/scripts/recipe.py"
+PREFLIGHT="$DSPARK_HOME/scripts/preflight.sh"
+SMOKE="$DSPARK_HOME/scripts/smoke.py"
+MARKER_NAME=".dspark_overlay.json"
+
+log() { printf '[entrypoint] %s\n' "$*"; }
+die() {
+    printf '[entrypoint] ERROR: %s\n' "$1" >&2
+    shift
+    local fix
+    for fix in "$@"; do printf '[entrypoint]   fix: %s\n' "$fix" >&2; done
+    exit 1
+}
+
+# Prints "<marker path> <overlay version> <vLLM version> <mode>"; exit 4 when the marker is
+# missing (then prints the path it looked for), 3 when vLLM is not importable, 5 unreadable.
+read_marker() {
+    "$PYTHON" - "$MARKER_NAME" <<'PY'
+import importlib.util, json, os, sys
+spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+if spec is None or not spec.origin:
+    print("no vllm package is importable by this Python")
+    sys.exit(3)
+path = os.path.join(os.path.dirname(spec.origin), sys.argv[1])
+if not os.path.isfile(path):
+    print(path)
+    sys.exit(4)
+try:
+    with open(path) as f:
+        marker = json.load(f)
+    print(path, marker["overlay_version"], marker.get("vllm_version", "?"), marker.get("mode", "?"))
+except (OSError, ValueError, KeyError) as exc:
+    print(f"{path} is unreadable ({exc})")
+    sys.exit(5)
+PY
+}
+
+require_overlay() {
+    local out rc=0 path version vllm_version mode
+    out=$(read_marker) || rc=$?
+    case $rc in
+        0)
+            read -r path version vllm_version mode <<<"$out"
+            log "overlay $version ($mode) on vLLM $vllm_version: $path"
+            ;;
+        4)
+            die "the DSpark overlay is not applied to this vLLM (no marker at $out); refusing to start stock vLLM" \
+                "rebuild the image with 'make image' (the build applies scripts/apply_overlay.sh and fails if it does not apply)" \
+                "or apply it to this interpreter: scripts/apply_overlay.sh --python $PYTHON"
+            ;;
+        *)
+            die "cannot check the DSpark overlay: $out" "rebuild the image with 'make image'"
+            ;;
+    esac
+}
+
+# One pass over the recipe profile (scripts/recipe.py): the derived values (ports, node
+# count) go into R_* shell variables, never exported (some names, e.g. VLLM_PORT, mean
+# something else to vLLM itself); the profile's own `env:` section is exported unless this
+# node already sets the variable.
+load_profile() {
+    local out line name
+    out=$("$PYTHON" - "$DSPARK_HOME/scripts" "$PROFILE" <<'PY' 2>&1
+import shlex, sys
+sys.path.insert(0, sys.argv[1])
+import recipe
+try:
+    profile = recipe.load_profile(sys.argv[2])
+except recipe.RecipeError as exc:
+    print("\n".join(exc.problems))
+    sys.exit(2)
+for key, value in recipe.profile_env(profile).items():
+    print(f"R {key}={shlex.quote(value)}")
+for key, value in profile.get("env", {}).items():
+    print(f"E {key}={shlex.quote(str(value))}")
+PY
+    ) || die "profile '$PROFILE' does not render: ${out//$'\n'/; }" \
+        "set PROFILE to a profile in recipe/profiles/ (e.g. spark-2x) and fix what recipe.py reports"
+    PROFILE_ENV=()
+    while IFS= read -r line; do
+        name=${line:2}
+        name=${name%%=*}
+        [[ $name =~ ^[A-Z_][A-Z0-9_]*$ ]] || continue
+        case ${line:0:2} in
+            "R ") eval "R_${line:2}" ;;
+            "E ") PROFILE_ENV+=("${line:2}") ;;
+        esac
+    done <<<"$out"
+}
+
+export_profile_env() {
+    local line name
+    for line in "${PROFILE_ENV[@]}"; do
+        name=${line%%=*}
+        if [[ -n ${!name:-} ]]; then
+            log "profile env $name: keeping this node's value"
+            continue
+        fi
+        eval "export $line"
+        log "profile env $line"
+    done
+}
+
+# A defined-but-empty NCCL variable is not the same as an unset one (an empty
+# NCCL_IB_GID_INDEX reads as index 0, the link-local IPv6 GID): drop the empty ones.
+unset_empty() {
+    local name
+    while IFS= read -r name; do
+        case $name in
+            NCCL_* | GLOO_* | TP_SOCKET_* | UCX_* | VLLM_* | HF_* | PYTORCH_*)
+                if [[ -z ${!name} ]]; then
+                    unset "$name"
+                    log "unset empty $name"
+                fi
+                ;;
+        esac
+    done < <(compgen -e)
+}
+
+resolve_gid_index() {
+    local out
+    case ${NCCL_IB_GID_INDEX:-auto} in
+        nccl)
+            unset NCCL_IB_GID_INDEX
+            log "NCCL_IB_GID_INDEX: left to NCCL (NCCL_IB_GID_INDEX=nccl)"
+            return
+            ;;
+    esac
+    out=$(SYSFS_ROOT="${SYSFS_ROOT:-/sys}" "$PREFLIGHT" resolve-gid 2>&1) \
+        || die "no usable RoCE v2 GID for NCCL_IB_HCA=${NCCL_IB_HCA:-} on ${NCCL_SOCKET_IFNAME:-}: ${out//$'\n'/; }" \
+            "run scripts/preflight.sh on this node and fix what it reports (the container needs host networking and /dev/infiniband)"
+    if [[ ${NCCL_IB_GID_INDEX:-auto} == auto ]]; then
+        log "NCCL_IB_GID_INDEX=auto resolved from sysfs: $out"
+    else
+        log "NCCL_IB_GID_INDEX=$out (pinned, verified against sysfs)"
+    fi
+    export NCCL_IB_GID_INDEX="$out"
+}
+
+wait_for_head() {
+    local host=$1 port=$2 timeout=$3 start=$SECONDS next=0
+    ((timeout > 0)) || return 0
+    log "worker: waiting up to ${timeout}s for the head's torch.distributed store at $host:$port"
+    while :; do
+        # shellcheck disable=SC2016  # $0/$1 expand in the inner bash
+        if timeout 3 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$host" "$port" 2>/dev/null; then
+            log "head is up at $host:$port"
+            return 0
+        fi
+        if ((SECONDS - start >= timeout)); then
+            die "the head's master port $host:$port did not open within ${timeout}s" \
+                "start the head (make up on the node with NODE_RANK=0) and watch it with make logs" \
+                "check that MASTER_ADDR=$host is the head's fabric IP and reachable from here (scripts/preflight.sh)"
+        fi
+        if ((SECONDS >= next)); then
+            log "head not up yet at $host:$port ($((SECONDS - start))s)"
+            next=$((SECONDS + 30))
+        fi
+        sleep "${HEAD_WAIT_POLL_S:-2}"
+    done
+}
+
+# Renders the command into CMD (array) after all the checks.
+prepare() {
+    local argv_text
+    require_overlay
+    load_profile
+    local nnodes=${R_NNODES:-1}
+    local -a node_args=()
+    if ((nnodes > 1)); then
+        NNODES_HINT=$nnodes "$PREFLIGHT" check-env --container \
+            || die "this node's variables are not usable (see above)" "fix them in docker/.env, then make up"
+        node_args=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR")
+    fi
+    unset_empty
+    if ((nnodes > 1)); then
+        if [[ ${NCCL_NET:-IB} == Socket ]]; then
+            unset NCCL_IB_GID_INDEX
+            log "NCCL_NET=Socket: RDMA is not used, no GID index to resolve (debugging only: slow)"
+        else
+            resolve_gid_index
+        fi
+    fi
+    export_profile_env
+    argv_text=$("$PYTHON" "$RECIPE" render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
+        || die "cannot render the serve command from profile '$PROFILE': ${argv_text//$'\n'/; }"
+    mapfile -t CMD <<<"$argv_text"
+    CMD=("$VLLM_BIN" serve "${CMD[@]}" "$@")
+    local role="single node"
+    if ((nnodes > 1)); then
+        role="head (node rank 0 of $nnodes)"
+        ((NODE_RANK > 0)) && role="worker (node rank $NODE_RANK of $nnodes, headless)"
+    fi
+    log "profile $PROFILE, $role"
+    local name
+    for name in VLLM_HOST_IP NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_IB_HCA \
+        NCCL_IB_GID_INDEX NCCL_NET NCCL_DEBUG; do
+        [[ -n ${!name:-} ]] && log "$name=${!name}"
+    done
+}
+
+serve() {
+    prepare "$@"
+    if ((${R_NNODES:-1} > 1 && NODE_RANK > 0)); then
+        wait_for_head "$MASTER_ADDR" "${R_MASTER_PORT:?profile has no master port}" "${HEAD_WAIT_TIMEOUT_S:-900}"
+    fi
+    local quoted
+    printf -v quoted '%q ' "${CMD[@]}"
+    log "exec ${quoted% }"
+    exec "${CMD[@]}"
+}
+
+# Where the head's API answers from this container (host networking).
+head_host() {
+    if [[ -n ${NODE_RANK:-} && $NODE_RANK != 0 && -n ${MASTER_ADDR:-} ]]; then
+        printf '%s' "$MASTER_ADDR"
+    else
+        printf '127.0.0.1'
+    fi
+}
+
+main() {
+    local cmd=${1:-serve}
+    (($#)) && shift
+    case $cmd in
+        serve) serve "$@" ;;
+        print-command)
+            prepare "$@"
+            printf '%q ' "${CMD[@]}"
+            printf '\n'
+            ;;
+        check-overlay) require_overlay ;;
+        health) exec "$PYTHON" "$SMOKE" --profile "$PROFILE" --host "$(head_host)" --health "$@" ;;
+        smoke) exec "$PYTHON" "$SMOKE" --profile "$PROFILE" --host "$(head_host)" "$@" ;;
+        *) exec "$cmd" "$@" ;;
+    esac
+}
+
+main "$@"
