@@ -43,6 +43,14 @@ fail() {
     for fix in "$@"; do printf '      %-8s fix: %s\n' "" "$fix"; done
     FAILS=$((FAILS + 1))
 }
+# oneline TEXT: the non-empty lines of TEXT joined with "; " (command output in one report line).
+oneline() {
+    local line joined=""
+    while IFS= read -r line; do
+        [[ -n ${line//[[:space:]]/} ]] && joined+="${joined:+; }$line"
+    done <<<"$1"
+    printf '%s' "$joined"
+}
 usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 # sread VAR FILE: first line of a (sysfs) file into VAR; fails quietly (no fork, so it is
@@ -243,7 +251,7 @@ load_profile() {
     [[ $PROFILE_STATE == failed ]] && return 1
     local out line key
     if ! out=$(recipe render "$PROFILE" --as env 2>&1); then
-        fail profile "profile '$PROFILE' does not render: ${out//$'\n'/; }" \
+        fail profile "profile '$PROFILE' does not render: $(oneline "$out")" \
             "set PROFILE to a name in recipe/profiles/ (e.g. spark-2x) and fix what recipe.py reports"
         PROFILE_STATE=failed
         return 1
@@ -484,7 +492,7 @@ check_compose() {
     if out=$(docker compose -f "$REPO/docker/compose.yaml" --env-file "$ENV_FILE" config --quiet 2>&1); then
         pass compose "docker/compose.yaml renders with $ENV_FILE"
     else
-        fail compose "docker compose rejects docker/compose.yaml with $ENV_FILE: ${out//$'\n'/; }" "set the variable it names in $ENV_FILE (docker/.env.example documents each one)"
+        fail compose "docker compose rejects docker/compose.yaml with $ENV_FILE: $(oneline "$out")" "set the variable it names in $ENV_FILE (docker/.env.example documents each one)"
     fi
 }
 
@@ -495,7 +503,7 @@ check_gpu() {
         return
     fi
     if ! out=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>&1) || [[ -z $out ]]; then
-        fail gpu "nvidia-smi sees no GPU: ${out//$'\n'/; }" "check the driver (nvidia-smi), reboot after a driver update"
+        fail gpu "nvidia-smi sees no GPU: $(oneline "$out")" "check the driver (nvidia-smi), reboot after a driver update"
         return
     fi
     IFS=, read -r name cap <<<"${out%%$'\n'*}"
@@ -519,7 +527,7 @@ check_image() {
         return
     fi
     if ! out=$(docker image inspect --format '{{.Id}}|{{index .Config.Labels "dspark.vllm.version"}}|{{index .Config.Labels "dspark.vllm.commit"}}|{{index .Config.Labels "dspark.overlay.version"}}' "$IMAGE" 2>&1); then
-        fail image "image $IMAGE is not on this node (docker: ${out//$'\n'/; })" \
+        fail image "image $IMAGE is not on this node (docker: $(oneline "$out"))" \
             "build it on this node: make image (both nodes need the same image)" \
             "if docker cannot reach its daemon: sudo systemctl start docker; sudo usermod -aG docker \$USER (then log in again)"
         return
@@ -557,7 +565,7 @@ check_overlay() {
     if out=$(docker run --rm --network none --entrypoint /opt/dspark/docker/entrypoint.sh "$IMAGE" check-overlay 2>&1); then
         pass overlay "${out##*$'\n'}"
     else
-        fail overlay "the overlay marker is missing in $IMAGE: ${out//$'\n'/; }" "rebuild the image: make image (the build applies the overlay and fails if it does not apply)"
+        fail overlay "the overlay marker is missing in $IMAGE: $(oneline "$out")" "rebuild the image: make image (the build applies the overlay and fails if it does not apply)"
     fi
 }
 
@@ -732,8 +740,11 @@ check_ports() {
 check_stale() {
     local out
     command -v docker >/dev/null 2>&1 || return
-    out=$(docker ps --filter "label=com.docker.compose.project=$COMPOSE_PROJECT" \
-        --filter status=running --filter status=restarting --format '{{.Names}} ({{.Status}})' 2>/dev/null)
+    if ! out=$(docker ps --filter "label=com.docker.compose.project=$COMPOSE_PROJECT" \
+        --filter status=running --filter status=restarting --format '{{.Names}} ({{.Status}})' 2>&1); then
+        warn stale "cannot list containers: $(oneline "$out")"
+        return
+    fi
     if [[ -n $out ]]; then
         fail stale "this node already runs the recipe: ${out//$'\n'/, }" \
             "make down first (restarting one rank while the other loads leaves a stale rank); make logs to watch it instead"
