@@ -96,3 +96,29 @@ def build_draft(model_dir: Path):
     draft.share_target_heads(embed, head)
     draft.eval()
     return draft, vc
+
+
+def make_proposer(draft, vc, *, num_spec=None, probabilistic=False, max_num_seqs=8):
+    """A DSparkProposer around an already built draft, without an engine.
+
+    The proposer reads a few speculative settings; the engine-less VllmConfig has no
+    speculative config, so a minimal one stands in for it.
+    """
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.dspark_proposer import DSparkProposer
+
+    hf = vc.model_config.hf_config
+    vc.speculative_config = SimpleNamespace(
+        use_dspark=lambda: True,
+        num_speculative_tokens=num_spec or hf.dspark_block_size,
+        draft_sample_method="probabilistic" if probabilistic else "greedy",
+        draft_model_config=None,
+    )
+    vc.scheduler_config.max_num_seqs = max_num_seqs
+    try:
+        proposer = DSparkProposer(vc, "cpu")
+    finally:
+        vc.speculative_config = None
+    proposer.attach_model(draft)
+    return proposer
