@@ -71,7 +71,7 @@ test-fast: setup ## the suite without the real-vLLM end-to-end tests
 bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on the profile port
 	$(PY) scripts/bench_ragged.py
 	$(PY) scripts/bench_packed_prefill.py
-	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^VLLM_PORT=//p'); \
+	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^API_PORT=//p'); \
 	if curl -sf "http://127.0.0.1:$$port/health" >/dev/null; then \
 	  $(PY) scripts/bench_serving.py --base-url "http://127.0.0.1:$$port" --profile $(PROFILE) $(BENCH_ARGS) --plot; \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
@@ -79,6 +79,7 @@ bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on 
 lint: setup ## ruff, hadolint, compose config
 	$(PY) -m ruff check scripts tests overlay
 	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh docker/entrypoint.sh
 
 apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (OVERLAY_MODE=--link for development)
 	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)
@@ -89,8 +90,36 @@ revert: ## take the overlay off the venv's vLLM
 check: ## report whether the overlay is applied to the venv's vLLM
 	scripts/apply_overlay.sh --python $(PY) --check
 
-image up down logs smoke: ## Spark targets (see README "Running on two Sparks")
-	@echo "make $@: the two-Spark image and compose launch are not in this checkout yet" >&2; exit 1
+# ---- Two DGX Sparks (README "Running on two Sparks"); every target acts on this node -----
+SPARK_ENV ?= docker/.env
+COMPOSE := docker compose -f docker/compose.yaml --env-file $(SPARK_ENV)
+DSPARK_IMAGE ?= $(or $(shell sed -n 's/^DSPARK_IMAGE=//p' $(SPARK_ENV) 2>/dev/null),dspark-vllm:local)
+OVERLAY_VERSION = $(shell sed -n 's/^overlay_version:[[:space:]]*//p' overlay/manifest.yaml | tr -d "\"' ")
+
+image: ## build the Spark image on this node (aarch64, CUDA 13, sm_121; pins from recipe/)
+	eval "$$($(PYTHON) scripts/recipe.py pins --as env)" && \
+	  DOCKER_BUILDKIT=1 docker build -f docker/Dockerfile -t $(DSPARK_IMAGE) \
+	    --build-arg BASE_IMAGE="$$BASE_IMAGE" --build-arg BASE_TAG="$$BASE_TAG" \
+	    --build-arg VLLM_VERSION="$$VLLM_VERSION" --build-arg VLLM_GIT_TAG="$$VLLM_GIT_TAG" \
+	    --build-arg VLLM_GIT_COMMIT="$$VLLM_GIT_COMMIT" --build-arg VLLM_REPO="$$VLLM_REPO" \
+	    --build-arg TORCH_CUDA_ARCH_LIST="$$TORCH_CUDA_ARCH_LIST" \
+	    --build-arg OVERLAY_VERSION="$(OVERLAY_VERSION)" \
+	    --build-arg RECIPE_REVISION="$$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" .
+
+up: ## preflight this node, then start its rank (NODE_RANK in docker/.env) in the background
+	scripts/preflight.sh --env-file $(SPARK_ENV)
+	$(COMPOSE) up -d
+	@echo ">> started; 'make logs' to follow, 'make smoke' once the head reports healthy"
+
+down: ## stop and remove this node's container
+	$(COMPOSE) down
+
+logs: ## follow this node's vLLM log
+	$(COMPOSE) logs -f --tail=200
+
+smoke: ## chat completion + spec-decode counters: the Spark pair if docker/.env exists, else `make serve`
+	@if [ -f $(SPARK_ENV) ]; then $(COMPOSE) exec -T vllm /opt/dspark/docker/entrypoint.sh smoke; \
+	else $(PY) scripts/smoke.py --profile $(PROFILE); fi
 
 clean: ## remove the venv, caches and generated models
 	rm -rf $(VENV) $(CACHE) models

@@ -724,7 +724,7 @@ check_ports() {
         return
     fi
     local port what
-    for port in "${P_VLLM_PORT:-}" "${P_MASTER_PORT:-}"; do
+    for port in "${P_API_PORT:-}" "${P_MASTER_PORT:-}"; do
         [[ -z $port ]] && continue
         what="API port"
         [[ $port == "${P_MASTER_PORT:-}" ]] && what="torch.distributed master port"

@@ -339,7 +339,7 @@ def profile_env(profile: dict) -> dict[str, str]:
         "MODEL_ID": model_ref(profile),
         "MODEL_REVISION": m["revision"],
         "SERVED_MODEL_NAME": m["served_name"],
-        "VLLM_PORT": str(srv["port"]),
+        "API_PORT": str(srv["port"]),
         "MASTER_PORT": str(par["master_port"]),
         "TP_SIZE": str(par["tensor_parallel_size"]),
         "NNODES": str(par["nnodes"]),

@@ -58,7 +58,7 @@ def profile_target(profile: str) -> tuple[int, str]:
         env = recipe.profile_env(recipe.load_profile(profile))
     except recipe.RecipeError as exc:
         raise SmokeError(f"profile {profile!r}: {exc}") from exc
-    return int(env["VLLM_PORT"]), env["SERVED_MODEL_NAME"]
+    return int(env["API_PORT"]), env["SERVED_MODEL_NAME"]
 
 
 def check_health(base: str) -> str:

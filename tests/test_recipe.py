@@ -135,7 +135,7 @@ def test_env_renderings_are_parseable(tmp_path):
         line.split("=", 1)
         for line in cli("render", "spark-2x", "--as", "compose-env").stdout.splitlines()
     )
-    assert compose["VLLM_PORT"] == "8000" and compose["TP_SIZE"] == "2"
+    assert compose["API_PORT"] == "8000" and compose["TP_SIZE"] == "2"
 
 
 def test_cpu_profile_points_at_the_local_tiny_model():
