@@ -4,8 +4,8 @@ Under continuous batching one engine step packs rows from many requests: prefill
 of any length and verify rows (anchor + drafts) of which a suffix was rejected. Each
 DSpark draft layer keeps, per request, a ring of the last ``W`` context positions
 (``cache[slot, pos % W]``). This module turns one packed step into a single scatter
-into those rings, without a Python loop over requests and without padding the step to
-a rectangle.
+into those rings (one ``index_put_`` on the KV cache, one on its position table),
+without a Python loop over requests and without padding the step to a rectangle.
 
 Layout of one step (all tensors on the same device):
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,8 @@ EMPTY_POS = -1
 # ---------------------------------------------------------------------------
 # Validation helpers. Every public function checks its inputs before touching any
 # tensor, so a bad call raises ValueError and leaves the caches byte-identical.
+# Value checks are reduced to a few scalars copied to the host together: one sync
+# per call, however many requests or checks.
 # ---------------------------------------------------------------------------
 
 
@@ -64,47 +67,43 @@ def _require_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on {device} like the cache, got {t.device}")
 
 
-def _raise_first_failure(checks: list[tuple[str, torch.Tensor]]) -> None:
-    """Evaluate all value checks with one host sync, then raise for the first failure."""
-    if not checks:
-        return
-    ok = torch.stack([c.reshape(()) for _, c in checks]).tolist()
-    for (message, _), passed in zip(checks, ok, strict=True):
-        if not passed:
-            raise ValueError(message)
+def _host_scalars(**facts: torch.Tensor) -> dict[str, int]:
+    """Copy several 0-d tensors to the host with a single sync."""
+    values = torch.stack(list(facts.values())).tolist()
+    return dict(zip(facts, values, strict=True))
 
 
-def _qsl_checks(qsl: torch.Tensor, num_rows: int | None) -> list[tuple[str, torch.Tensor]]:
-    """Value checks on query_start_loc (shape and dtype are checked by the caller)."""
-    checks = [
-        ("query_start_loc[0] must be 0", qsl[0] == 0),
-        (
-            "query_start_loc must be non-decreasing",
-            (qsl[1:] >= qsl[:-1]).all(),
-        ),
-    ]
-    if num_rows is not None:
-        checks.append(
-            (
-                f"query_start_loc[-1] must equal the number of kv rows T={num_rows}",
-                qsl[-1] == num_rows,
-            )
-        )
-    return checks
+def _min_max(t: torch.Tensor, empty: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aminmax`` that also accepts an empty tensor: gives ``empty``, a passing value."""
+    if t.numel() == 0:
+        value = torch.full((), empty, dtype=torch.int64, device=t.device)
+        return value, value
+    return torch.aminmax(t)
 
 
-def _check_qsl(query_start_loc: object) -> torch.Tensor:
-    qsl = _require_tensor("query_start_loc", query_start_loc, 1, "[R+1]")
+def _check_qsl_tensor(qsl: object, device: torch.device | None = None) -> torch.Tensor:
+    qsl = _require_tensor("query_start_loc", qsl, 1, "[R+1]")
     _require_int("query_start_loc", qsl)
     if qsl.numel() < 1:
         raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
-    _raise_first_failure(_qsl_checks(qsl, None))
-    return qsl
+    if device is not None:
+        _require_device("query_start_loc", qsl, device)
+    return qsl.long()
 
 
-def _rejected_or_zeros(
-    num_rejected: object, num_requests: int, device: torch.device
-) -> torch.Tensor:
+def _check_qsl_facts(facts: dict[str, int], num_rows: int | None) -> None:
+    if facts["qsl_first"] != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {facts['qsl_first']}")
+    if facts["min_len"] < 0:
+        raise ValueError("query_start_loc must be non-decreasing")
+    if num_rows is not None and facts["qsl_last"] != num_rows:
+        raise ValueError(
+            f"query_start_loc[-1] must equal the number of kv rows T={num_rows}, "
+            f"got {facts['qsl_last']}"
+        )
+
+
+def _check_rejected_tensor(num_rejected: object, num_requests: int, device) -> torch.Tensor:
     if num_rejected is None:
         return torch.zeros(num_requests, dtype=torch.int64, device=device)
     rej = _require_tensor("num_rejected", num_rejected, 1, f"[R] with R={num_requests}")
@@ -122,10 +121,18 @@ def _rejected_or_zeros(
 # ---------------------------------------------------------------------------
 
 
+def _layout_facts(qsl: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    lengths = qsl[1:] - qsl[:-1]
+    min_len, max_len = _min_max(lengths)
+    facts = _host_scalars(qsl_first=qsl[0], min_len=min_len, max_len=max_len)
+    _check_qsl_facts(facts, None)
+    return lengths, facts
+
+
 def segment_lengths(query_start_loc: torch.Tensor) -> torch.Tensor:
     """Rows per request, ``qsl[r+1] - qsl[r]``, as int64 ``[R]``."""
-    qsl = _check_qsl(query_start_loc)
-    return (qsl[1:] - qsl[:-1]).long()
+    lengths, _ = _layout_facts(_check_qsl_tensor(query_start_loc))
+    return lengths
 
 
 def is_ragged(query_start_loc: torch.Tensor) -> bool:
@@ -134,10 +141,8 @@ def is_ragged(query_start_loc: torch.Tensor) -> bool:
     Mixed prefill chunks and verify rows make a step ragged; a decode-only step where
     every request verifies the same number of drafts is uniform (flat path).
     """
-    lengths = segment_lengths(query_start_loc)
-    if lengths.numel() <= 1:
-        return False
-    return bool((lengths != lengths[0]).any())
+    _, facts = _layout_facts(_check_qsl_tensor(query_start_loc))
+    return facts["min_len"] != facts["max_len"]
 
 
 def anchor_rows(
@@ -148,20 +153,22 @@ def anchor_rows(
     The draft block starts right after this row. A request with no accepted row would
     point into its neighbour, so ``num_rejected[r]`` must be smaller than its length.
     """
-    qsl = _check_qsl(query_start_loc)
+    qsl = _check_qsl_tensor(query_start_loc)
     num_requests = qsl.numel() - 1
-    rej = _rejected_or_zeros(num_rejected, num_requests, qsl.device)
-    lengths = (qsl[1:] - qsl[:-1]).long()
-    _raise_first_failure(
-        [
-            ("num_rejected must be >= 0", (rej >= 0).all()),
-            (
-                "num_rejected[r] must be < segment length so each request keeps an accepted row",
-                (rej < lengths).all(),
-            ),
-        ]
-    )
-    return qsl[1:].long() - 1 - rej
+    rej = _check_rejected_tensor(num_rejected, num_requests, qsl.device)
+    lengths = qsl[1:] - qsl[:-1]
+    min_len, _ = _min_max(lengths)
+    min_rej, _ = _min_max(rej)
+    min_kept, _ = _min_max(lengths - rej)
+    facts = _host_scalars(qsl_first=qsl[0], min_len=min_len, min_rej=min_rej, min_kept=min_kept)
+    _check_qsl_facts(facts, None)
+    if facts["min_rej"] < 0:
+        raise ValueError("num_rejected must be >= 0")
+    if num_requests and facts["min_kept"] < 1:
+        raise ValueError(
+            "num_rejected[r] must be < segment length so each request keeps an accepted row"
+        )
+    return qsl[1:] - 1 - rej
 
 
 # ---------------------------------------------------------------------------
@@ -169,82 +176,31 @@ def anchor_rows(
 # ---------------------------------------------------------------------------
 
 
-def _flat_write_rows(
-    positions: torch.Tensor,
-    num_requests: int,
-    seg_len: int,
-    rej: torch.Tensor,
-    slots: torch.Tensor,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform batch: view the step as ``[R, L]`` and mask with broadcasting.
+@dataclass
+class _StepLayout:
+    """A validated step, as the write paths need it (int64 tensors, device of the cache)."""
 
-    Returns the packed rows to write and their ring slot. No per-row gathers of
-    request data are needed because every request owns exactly ``L`` rows.
-    """
-    pos = positions.view(num_requests, seg_len)
-    accepted_len = seg_len - rej  # [R]
-    last_col = (accepted_len - 1).clamp(min=0)
-    last_pos = pos.gather(1, last_col[:, None])  # [R, 1]
-    col = torch.arange(seg_len, device=pos.device)
-    keep = (col[None, :] < accepted_len[:, None]) & (pos > last_pos - window)
-    req, col_idx = keep.nonzero(as_tuple=True)
-    return req * seg_len + col_idx, slots[req]
+    window: int
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [R]
+    num_accepted: torch.Tensor  # [R] len[r] - rej[r]
+    accepted_end: torch.Tensor  # [R] exclusive end row of the accepted rows
+    first_candidate: torch.Tensor  # [R] rows before it are outside the window
+    num_candidates: torch.Tensor  # [R] accepted rows from first_candidate on (<= W)
+    total_candidates: int
+    uniform: bool
+
+    @property
+    def num_requests(self) -> int:
+        return self.slots.numel()
 
 
-def _ragged_write_rows(
-    positions: torch.Tensor,
-    qsl: torch.Tensor,
-    lengths: torch.Tensor,
-    rej: torch.Tensor,
-    slots: torch.Tensor,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heterogeneous batch: tag each packed row with its request, mask, compact.
+def _check_store_args(
+    cache, cache_pos, kv, positions, query_start_loc, slots, num_rejected
+) -> _StepLayout | None:
+    """Validate everything ``store_context_kv`` needs; raise ValueError before any write.
 
-    Every temporary is sized by T (rows) or R (requests), never ``R * max_len``,
-    so no padding is allocated.
-    """
-    num_rows = positions.numel()
-    num_requests = lengths.numel()
-    req_of_row = torch.repeat_interleave(
-        torch.arange(num_requests, device=positions.device), lengths, output_size=num_rows
-    )
-    accepted_end = qsl[1:].long() - rej  # [R], exclusive end of accepted rows
-    last_row = (accepted_end - 1).clamp(min=0)  # only read where a row was accepted
-    last_pos = positions[last_row]  # [R]
-    row = torch.arange(num_rows, device=positions.device)
-    keep = (row < accepted_end[req_of_row]) & (positions > last_pos[req_of_row] - window)
-    rows = keep.nonzero(as_tuple=True)[0]
-    return rows, slots[req_of_row[rows]]
-
-
-def store_context_kv(
-    cache: torch.Tensor,
-    cache_pos: torch.Tensor,
-    kv: torch.Tensor,
-    positions: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
-    num_rejected: torch.Tensor | None = None,
-) -> None:
-    """Write one step's accepted context rows into each request's KV ring, in place.
-
-    For request ``r`` (ring row ``slots[r]``) let ``last`` be the position of its last
-    accepted row. Exactly the accepted rows with ``position > last - W`` are written:
-    ``cache[slots[r], pos % W] = kv[row]`` and ``cache_pos[slots[r], pos % W] = pos``.
-    Rejected rows are never written: their cell ``pos % W`` may still hold live context
-    of the next window. Older rows would be overwritten in the same call anyway, and
-    skipping them keeps the scatter free of duplicate indices (deterministic).
-
-    Shapes: ``cache [S, W, D]``, ``cache_pos [S, W]`` int64 (-1 = empty), ``kv [T, D]``
-    (same dtype as ``cache``), ``positions [T]`` (>= 0, strictly increasing within a
-    request), ``query_start_loc [R+1]``, ``slots [R]`` (distinct, in ``[0, S)``),
-    ``num_rejected [R]`` with ``0 <= rej[r] <= len[r]`` (None = nothing rejected).
-
-    Uniform batches take the flat ``[R, L]`` path, ragged ones the per-row path; both
-    end in the same single scatter. Host syncs: one for validation, one to compact the
-    rows to write, independent of R. Invalid input raises ValueError before any write.
+    Returns None for an empty step (R = 0).
     """
     cache = _require_tensor("cache", cache, 3, "[S, W, D]")
     num_slots, window, dim = cache.shape
@@ -277,14 +233,10 @@ def store_context_kv(
             f"positions must have shape [T] with T={num_rows}, got {tuple(positions.shape)}"
         )
     _require_device("positions", positions, device)
+    positions = positions.long()
 
-    qsl = _require_tensor("query_start_loc", query_start_loc, 1, "[R+1]")
-    _require_int("query_start_loc", qsl)
-    if qsl.numel() < 1:
-        raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
-    _require_device("query_start_loc", qsl, device)
+    qsl = _check_qsl_tensor(query_start_loc, device)
     num_requests = qsl.numel() - 1
-
     slots = _require_tensor("slots", slots, 1, f"[R] with R={num_requests}")
     _require_int("slots", slots)
     if slots.numel() != num_requests:
@@ -292,58 +244,195 @@ def store_context_kv(
             f"slots must have shape [R] with R={num_requests}, got {tuple(slots.shape)}"
         )
     _require_device("slots", slots, device)
-    rej = _rejected_or_zeros(num_rejected, num_requests, device)
-
-    # Value checks and the flat/ragged decision, evaluated with one host sync.
-    positions = positions.long()
     slots = slots.long()
-    qsl = qsl.long()
-    lengths = qsl[1:] - qsl[:-1]
+    rej = _check_rejected_tensor(num_rejected, num_requests, device)
+
+    if num_requests == 0:  # an empty step: nothing to write, only qsl == [0] to check
+        if num_rows != 0 or int(qsl[0]) != 0:
+            raise ValueError(f"query_start_loc must be [0] for an empty step with T={num_rows}")
+        return None
+
+    # Per-request layout, computed before validation but only used after it.
+    q_lo, q_hi = qsl[:-1], qsl[1:]
+    lengths = q_hi - q_lo
+    accepted_end = q_hi - rej
+    num_accepted = accepted_end - q_lo
+    # Positions strictly increase, so the last W accepted rows hold every position that
+    # can be in the window; earlier rows never need a look.
+    num_candidates = num_accepted.clamp(0, window)
+    first_candidate = accepted_end - num_candidates
+
+    # Position steps between neighbouring rows; a step back is fine where a segment
+    # starts, so those entries (and the two ends) are set to 1.
+    steps = torch.ones(num_rows + 1, dtype=torch.int64, device=device)
+    torch.sub(positions[1:], positions[:-1], out=steps[1:num_rows])
+    steps.index_fill_(0, qsl.clamp(0, num_rows), 1)
     sorted_slots = slots.sort().values
-    # Row t > 0 continues its predecessor's segment unless some segment starts at t.
-    continues = ~torch.isin(torch.arange(1, num_rows, device=device), qsl)
-    checks = _qsl_checks(qsl, num_rows) + [
-        (f"slots must be in [0, S={num_slots})", ((slots >= 0) & (slots < num_slots)).all()),
-        (
-            "slots must be distinct (one ring row per request)",
-            (sorted_slots[1:] != sorted_slots[:-1]).all(),
-        ),
-        ("num_rejected must be >= 0", (rej >= 0).all()),
-        (
-            "num_rejected[r] must be <= segment length qsl[r+1] - qsl[r]",
-            (rej <= lengths).all(),
-        ),
-        ("positions must be >= 0", (positions >= 0).all()),
-        (
-            "positions must be strictly increasing within each request's segment",
-            (positions[1:] > positions[:-1])[continues].all(),
-        ),
-    ]
-    uniform = (lengths == lengths[:1]).all()
-    flags = torch.stack([c.reshape(()) for _, c in checks] + [uniform]).tolist()
-    for (message, _), passed in zip(checks, flags[:-1], strict=True):
-        if not passed:
-            raise ValueError(message)
-    if num_rows == 0 or num_requests == 0:
-        return
+    slot_gaps = sorted_slots[1:] - sorted_slots[:-1]
 
-    if flags[-1]:
-        rows, ring_rows = _flat_write_rows(
-            positions, num_requests, num_rows // num_requests, rej, slots, window
+    # Fast path: two reductions cover the value checks; only a failing call pays for
+    # finding out which argument is wrong.
+    shortest, longest = torch.aminmax(lengths)
+    facts = torch.stack(
+        [
+            qsl[0],
+            qsl[-1],
+            shortest,
+            longest,
+            sorted_slots[-1],
+            torch.cat([lengths, rej, num_accepted, slots, positions]).amin(),  # must be >= 0
+            torch.cat([steps, slot_gaps]).amin(),  # must be >= 1
+            num_candidates.sum(),
+        ]
+    ).tolist()
+    qsl_first, qsl_last, min_len, max_len, max_slot, min_nonneg, min_step, total = facts
+    if min_nonneg < 0 or min_step < 1 or max_slot >= num_slots:
+        _explain_store_failure(
+            qsl, lengths, rej, num_accepted, slots, num_slots, positions, steps, num_rows
         )
-    else:
-        rows, ring_rows = _ragged_write_rows(positions, qsl, lengths, rej, slots, window)
+    _check_qsl_facts({"qsl_first": qsl_first, "qsl_last": qsl_last, "min_len": 0}, num_rows)
 
+    return _StepLayout(
+        window=window,
+        positions=positions,
+        slots=slots,
+        num_accepted=num_accepted,
+        accepted_end=accepted_end,
+        first_candidate=first_candidate,
+        num_candidates=num_candidates,
+        total_candidates=total,
+        uniform=min_len == max_len,
+    )
+
+
+def _explain_store_failure(
+    qsl, lengths, rej, num_accepted, slots, num_slots, positions, steps, num_rows
+):
+    """Slow path of a failed check: find the offending argument and raise for it."""
+    qsl_first, qsl_last = qsl[0].item(), qsl[-1].item()
+    _check_qsl_facts(
+        {"qsl_first": qsl_first, "qsl_last": qsl_last, "min_len": lengths.min().item()},
+        num_rows,
+    )
+    if slots.min().item() < 0 or slots.max().item() >= num_slots:
+        raise ValueError(f"slots must be in [0, S={num_slots})")
+    if slots.unique().numel() != slots.numel():
+        raise ValueError("slots must be distinct (one ring row per request)")
+    if rej.min().item() < 0:
+        raise ValueError("num_rejected must be >= 0")
+    if num_accepted.min().item() < 0:
+        raise ValueError("num_rejected[r] must be <= segment length qsl[r+1] - qsl[r]")
+    if positions.numel() and positions.min().item() < 0:
+        raise ValueError("positions must be >= 0")
+    if steps.min().item() < 1:
+        raise ValueError("positions must be strictly increasing within each request's segment")
+    raise AssertionError("a store check failed without a matching explanation")
+
+
+def _flat_write_rows(step: _StepLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uniform batch: view the step as ``[R, L]`` and mask with broadcasting.
+
+    Returns the packed rows to write, their ring rows and positions. Request data
+    broadcasts along the columns, so nothing is gathered per row.
+    """
+    num_requests = step.num_requests
+    seg_len = step.positions.numel() // num_requests
+    pos = step.positions.view(num_requests, seg_len)
+    accepted = step.num_accepted[:, None]  # [R, 1]
+    last_pos = pos.gather(1, (accepted - 1).clamp_(min=0))  # [R, 1]
+    col = torch.arange(seg_len, device=pos.device)
+    keep = (col < accepted) & (pos > last_pos - step.window)
+    rows = keep.view(-1).nonzero().squeeze(1)
+    ring_rows = step.slots.index_select(0, rows // seg_len)
+    return rows, ring_rows, step.positions.index_select(0, rows)
+
+
+def _ragged_write_rows(step: _StepLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Heterogeneous batch: enumerate each request's candidate rows, then mask.
+
+    A request contributes at most W candidate rows (its last W accepted rows), so the
+    work scales with the rows written, not with T, and no ``[R, max_len]`` padding is
+    ever allocated.
+    """
+    device = step.positions.device
+    counts, total = step.num_candidates, step.total_candidates
+    req = torch.repeat_interleave(
+        torch.arange(step.num_requests, device=device), counts, output_size=total
+    )
+    # Ragged arange: candidate k of request r is packed row first_candidate[r] + k.
+    shift = step.first_candidate - (counts.cumsum(0) - counts)
+    rows = torch.arange(total, device=device).add_(shift.index_select(0, req))
+    pos = step.positions.index_select(0, rows)
+    last_pos = step.positions.index_select(0, (step.accepted_end - 1).clamp_(min=0))
+    # All True unless positions have gaps: then older candidates fall out of the window.
+    keep = (pos > last_pos.sub_(step.window).index_select(0, req)).nonzero().squeeze(1)
+    ring_rows = step.slots.index_select(0, req.index_select(0, keep))
+    return rows.index_select(0, keep), ring_rows, pos.index_select(0, keep)
+
+
+def store_context_kv(
+    cache: torch.Tensor,
+    cache_pos: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slots: torch.Tensor,
+    num_rejected: torch.Tensor | None = None,
+) -> None:
+    """Write one step's accepted context rows into each request's KV ring, in place.
+
+    For request ``r`` (ring row ``slots[r]``) let ``last`` be the position of its last
+    accepted row. Exactly the accepted rows with ``position > last - W`` are written:
+    ``cache[slots[r], pos % W] = kv[row]`` and ``cache_pos[slots[r], pos % W] = pos``.
+    Rejected rows are never written: their cell ``pos % W`` may still hold live context
+    of the next window. Older rows would be overwritten in the same call anyway, and
+    skipping them keeps the scatter free of duplicate indices (deterministic).
+
+    Shapes: ``cache [S, W, D]``, ``cache_pos [S, W]`` int64 (-1 = empty), ``kv [T, D]``
+    (same dtype as ``cache``), ``positions [T]`` (>= 0, strictly increasing within a
+    request), ``query_start_loc [R+1]``, ``slots [R]`` (distinct, in ``[0, S)``),
+    ``num_rejected [R]`` with ``0 <= rej[r] <= len[r]`` (None = nothing rejected).
+
+    Uniform batches take the flat ``[R, L]`` path, ragged ones the candidate-row path;
+    both end in the same single scatter. Host syncs: one for validation, one to compact
+    the rows to write, independent of R. Invalid input raises ValueError before any write.
+    """
+    step = _check_store_args(cache, cache_pos, kv, positions, query_start_loc, slots, num_rejected)
+    if step is None or step.total_candidates == 0:
+        return
+    rows, ring_rows, pos = (_flat_write_rows if step.uniform else _ragged_write_rows)(step)
     # The one scatter: (ring row, pos % W) pairs are unique, so the write is deterministic.
-    pos = positions[rows]
-    cells = (ring_rows, pos % window)
-    cache.index_put_(cells, kv[rows])
+    cells = (ring_rows, pos % step.window)
+    dst, src = _as_wide_words(cache, kv)
+    dst.index_put_(cells, src.index_select(0, rows))
     cache_pos.index_put_(cells, pos)
+
+
+def _as_wide_words(cache: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """View both tensors' rows as 16-byte words when both layouts allow, else as they are.
+
+    Index kernels copy element by element, so moving a 1 KiB bf16 row as 64 words
+    instead of 512 elements is ~4x faster on CPU. Only bits are copied, never values
+    computed, so the result is byte-identical.
+    """
+    if cache.dtype.itemsize >= 16 or (cache.shape[-1] * cache.dtype.itemsize) % 16:
+        return cache, kv
+    try:
+        return cache.view(torch.complex128), kv.view(torch.complex128)
+    except RuntimeError:  # a last dim not contiguous, or a storage offset not aligned
+        return cache, kv
 
 
 # ---------------------------------------------------------------------------
 # Read side
 # ---------------------------------------------------------------------------
+
+
+def _check_slot_range(slots: torch.Tensor, num_slots: int) -> None:
+    min_slot, max_slot = _min_max(slots)
+    facts = _host_scalars(min_slot=min_slot, max_slot=max_slot)
+    if slots.numel() and not (0 <= facts["min_slot"] and facts["max_slot"] < num_slots):
+        raise ValueError(f"slots must be in [0, S={num_slots})")
 
 
 def window_mask(
@@ -354,7 +443,8 @@ def window_mask(
 ) -> torch.Tensor:
     """Bool ``[R, W]``: which ring cells the draft block of request ``r`` may attend.
 
-    A cell is valid iff ``anchor - W <= cache_pos < anchor`` and ``cache_pos >= 0``.
+    A cell is valid iff ``anchor - W <= cache_pos < anchor`` and ``cache_pos >= 0``;
+    ``W`` may be smaller than the ring width, never larger.
     Checking the stored position (not just "cell was written") is what keeps stale
     cells from a released slot, a prefix-cache hole or a preempted request out of the
     draft attention.
@@ -376,9 +466,7 @@ def window_mask(
             f"got {tuple(anchor.shape)}"
         )
     _require_device("anchor_positions", anchor, cache_pos.device)
-    _raise_first_failure(
-        [(f"slots must be in [0, S={num_slots})", ((slots >= 0) & (slots < num_slots)).all())]
-    )
+    _check_slot_range(slots.long(), num_slots)
     held = cache_pos[slots.long()]  # [R, ring]
     anchor = anchor.long()[:, None]
     return (held >= 0) & (held >= anchor - W) & (held < anchor)
@@ -391,9 +479,7 @@ def clear_slots(cache_pos: torch.Tensor, slots: torch.Tensor | Sequence[int]) ->
         raise ValueError(f"cache_pos must be int64, got {cache_pos.dtype}")
     idx = torch.as_tensor(slots, dtype=torch.int64, device=cache_pos.device).reshape(-1)
     num_slots = cache_pos.shape[0]
-    _raise_first_failure(
-        [(f"slots must be in [0, S={num_slots})", ((idx >= 0) & (idx < num_slots)).all())]
-    )
+    _check_slot_range(idx, num_slots)
     cache_pos[idx] = EMPTY_POS
 
 
