@@ -66,17 +66,20 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _load(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Gather ``t_ptr[idx]`` as int64."""
-    return _flat(t)[idx].to(torch.int64)
+    """Gather ``t_ptr[idx]`` as int64 (``index_select``: far faster than fancy indexing)."""
+    flat = _flat(t)
+    return flat.index_select(0, idx.reshape(-1)).view(idx.shape).to(torch.int64)
 
 
 def _store(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor | int) -> None:
     """Scatter ``t_ptr[idx] = values`` (cast to ``t``'s dtype)."""
     flat = _flat(t)
+    idx = idx.reshape(-1)
     if isinstance(values, int):
-        flat[idx] = values
+        src = torch.full((idx.numel(),), values, dtype=flat.dtype)
     else:
-        flat[idx] = values.to(flat.dtype)
+        src = values.reshape(-1).to(flat.dtype)
+    flat.index_copy_(0, idx, src)
 
 
 def _scalar(t: torch.Tensor, i: int) -> int:
@@ -87,11 +90,14 @@ def _segments(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor,
     """For segments ``[starts[b], starts[b] + counts[b])`` return (owner b, offset) per element.
 
     Empty or negative counts contribute nothing, like ``for i in range(0, count, BLOCK)``.
+    (``searchsorted`` over the cumulative counts: much faster than ``repeat_interleave`` on CPU.)
     """
     counts = counts.clamp(min=0)
-    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = torch.cumsum(counts, 0) - counts
-    offset = torch.arange(owner.numel(), dtype=torch.int64) - first[owner]
+    ends = torch.cumsum(counts, 0)
+    total = int(ends[-1]) if ends.numel() else 0
+    element = torch.arange(total, dtype=torch.int64)
+    owner = torch.searchsorted(ends, element, right=True)
+    offset = element - (ends - counts)[owner]
     return owner, offset
 
 
@@ -176,26 +182,26 @@ def _write_window_indices(
         return
     pid = torch.arange(programs, dtype=torch.int64)
     tok = pid + int(token_offset)
-    valid = _flat(is_valid_token_ptr)[tok].to(torch.bool)
-    lens = torch.zeros(programs, dtype=torch.int64)
-    rows = torch.full((programs, max(index_width, 0)), -1, dtype=torch.int64)
-    v = valid.nonzero().squeeze(1)
-    if v.numel() > 0:
-        req = _load(token_to_req_indices_ptr, tok[v])
-        start, end = window(tok[v], req)
-        lens[v] = end - start
-        cols = torch.arange(max(index_width, 0), dtype=torch.int64)
-        pos = start[:, None] + cols
+    valid = _flat(is_valid_token_ptr).index_select(0, tok).to(torch.bool)
+    width = max(index_width, 0)
+    if bool(valid.any()):
+        # Rows of invalid tokens are computed for request 0 and then blanked, which keeps
+        # every load in bounds without a per-row branch.
+        req = torch.where(valid, _load(token_to_req_indices_ptr, tok), 0)
+        start, end = window(tok, req)
+        end = torch.where(valid, end, start)
+        lens = end - start
+        pos = start[:, None] + torch.arange(width, dtype=torch.int64)
         inside = pos < end[:, None]
-        where = inside.nonzero(as_tuple=True)
-        p = pos[where]
-        blocks = _load(block_table_ptr, req[where[0]] * block_table_stride + p // block_size)
-        sub = rows[v]
-        sub[where] = blocks * block_size + p % block_size
-        rows[v] = sub
+        block_at = torch.where(inside, req[:, None] * block_table_stride + pos // block_size, 0)
+        blocks = _load(block_table_ptr, block_at)
+        rows = torch.where(inside, blocks * block_size + pos % block_size, -1)
+    else:
+        lens = torch.zeros(programs, dtype=torch.int64)
+        rows = torch.full((programs, width), -1, dtype=torch.int64)
     _store(swa_lens_ptr, pid, lens)
-    if index_width > 0:
-        cols = torch.arange(index_width, dtype=torch.int64)
+    if width > 0:
+        cols = torch.arange(width, dtype=torch.int64)
         _store(swa_indices_ptr, pid[:, None] * swa_indices_stride + cols, rows)
 
 
