@@ -224,7 +224,7 @@ def generate(args) -> int:
         )
     runner = REPO / "tests/dsv4_e2e_runner.py"
     with tempfile.TemporaryDirectory() as tmp:
-        target = tree.make_vllm_tree(Path(tmp) / "vllm-tree")
+        target = tree.pristine_vllm_tree(Path(tmp) / "vllm-tree")
         tree.apply_overlay(target)
         rows = {}
         for impl in ("interpreter", "torch"):

@@ -1,10 +1,10 @@
 """A private, overlay-applied copy of the venv's vLLM for subprocess tests.
 
-``make_vllm_tree(dst)`` lays out ``dst/vllm`` as symlinks to the installed package's files
-(real copies for ``__pycache__``, so nothing is ever written through a link), and
-``apply_overlay(dst)`` / ``revert_overlay(dst)`` run scripts/apply_overlay.sh on it. A
-subprocess with ``PYTHONPATH=dst`` then imports that vLLM instead of the venv's; the venv's
-own files are never touched.
+``pristine_vllm_tree(dst)`` lays out ``dst/vllm`` from the installed package (shared
+libraries symlinked, the rest copied) without any overlay, and ``apply_overlay(dst)`` /
+``revert_overlay(dst)`` run scripts/apply_overlay.sh on it. A subprocess with
+``PYTHONPATH=dst`` then imports that vLLM instead of the venv's; the venv's own files are
+never touched.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 APPLY = REPO / "scripts/apply_overlay.sh"
+MARKER = "vllm/.dspark_overlay.json"
 
 
 def installed_vllm_dir() -> Path:
@@ -29,18 +30,34 @@ def installed_vllm_dir() -> Path:
 
 
 def make_vllm_tree(dst: Path, src: Path | None = None) -> Path:
-    """Mirror the installed ``vllm`` package under ``dst/vllm``; return ``dst``."""
+    """Mirror the installed ``vllm`` package under ``dst/vllm``; return ``dst``.
+
+    Shared libraries are symlinked (they are never written), links are re-created as links,
+    everything else is copied, so the apply tool sees the same file states as in the source
+    (an overlay applied to the venv by ``make setup``, copy or link mode, stays consistent)
+    and nothing it does can reach the venv's files.
+    """
     src = src or installed_vllm_dir()
     for root, _dirs, files in os.walk(src):
         rel = Path(root).relative_to(src)
         out = dst / "vllm" / rel
         out.mkdir(parents=True, exist_ok=True)
-        copy = "__pycache__" in rel.parts
         for name in files:
-            if copy:
-                shutil.copy2(Path(root) / name, out / name)
+            path = Path(root) / name
+            if path.is_symlink():
+                os.symlink(os.readlink(path), out / name)
+            elif name.endswith(".so"):
+                os.symlink(path, out / name)
             else:
-                os.symlink(Path(root) / name, out / name)
+                shutil.copy2(path, out / name)
+    return dst
+
+
+def pristine_vllm_tree(dst: Path) -> Path:
+    """``make_vllm_tree`` with any overlay the venv carries taken off again."""
+    make_vllm_tree(dst)
+    if (dst / MARKER).exists():
+        revert_overlay(dst)
     return dst
 
 

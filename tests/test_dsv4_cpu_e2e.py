@@ -71,7 +71,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def overlay_tree(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("vllm-e2e")
-    tree.make_vllm_tree(target)
+    tree.pristine_vllm_tree(target)
     tree.apply_overlay(target)
     return target
 

@@ -262,7 +262,7 @@ def _run_overlay_mode(target: Path, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def overlay_tree(tmp_path_factory):
     target = tmp_path_factory.mktemp("vllm-overlay")
-    tree.make_vllm_tree(target)
+    tree.pristine_vllm_tree(target)
     tree.apply_overlay(target)
     return target
 
