@@ -22,6 +22,12 @@ a larger persistent buffer), so the registered wrappers are upgraded to
 
 Integer arithmetic follows the kernels on their valid input domain (non-negative positions
 and lengths), where floor and truncating division agree.
+
+Covered: every Triton launch of the DeepSeek-V4 metadata builders on the CPU V1 path
+(token->request map, causal and DSpark non-causal SWA indices, prefill gather lengths,
+compressed-state slots, indexer prefill chunks and uniform spec-decode expansion). Not
+covered: ``ops.metadata._indexer_decode_metadata_kernel``, used only when the indexer
+supports varlen paged logits (CUDA SM100 with DeepGEMM), never on CPU.
 """
 
 from __future__ import annotations
