@@ -119,7 +119,9 @@ def ragged_steps(draw, window, dtype):
     for _ in range(num_requests):
         if draw(st.integers(0, 3)) == 0:  # prefill chunk
             n = draw(st.integers(1, 300))
-            rej = draw(st.sampled_from([0, 0, 0, n]))  # rarely: nothing accepted
+            # Mostly 0; sometimes nothing accepted, or a partial suffix (the contract
+            # allows it, and it separates "last W accepted" from "last W rows").
+            rej = draw(st.one_of(st.just(0), st.just(n), st.integers(0, n)))
         else:  # verify rows: anchor + drafts, a suffix rejected
             n = draw(st.integers(1, 6))
             rej = draw(st.integers(0, n))
@@ -168,16 +170,21 @@ def test_store_matches_per_request_reference(window, dtype):
     window=st.sampled_from([4, 128]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     with_rejections=st.booleans(),
+    gapped=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_flat_path_equals_ragged_path_on_uniform_batches(
-    num_requests, seg_len, window, dtype, with_rejections, seed
+    num_requests, seg_len, window, dtype, with_rejections, gapped, seed
 ):
     gen = torch.Generator().manual_seed(seed)
     seg_len = min(seg_len, 6) if num_requests > 16 else seg_len  # keep T modest
     lengths = [seg_len] * num_requests
     starts = torch.randint(0, 1000, (num_requests,), generator=gen).tolist()
     positions = contiguous_positions(starts, lengths)
+    if gapped:  # strictly increasing with holes: some accepted rows leave the window
+        steps = torch.randint(1, 4, (num_requests, seg_len), generator=gen)
+        positions = positions.view(num_requests, seg_len)[:, :1] + steps.cumsum(1)
+        positions = positions.reshape(-1)
     kv = torch.randn(positions.numel(), 8, generator=gen).to(dtype)
     slots = torch.randperm(num_requests + 3, generator=gen)[:num_requests]
     rej = torch.randint(0, seg_len + 1, (num_requests,), generator=gen) if with_rejections else None
