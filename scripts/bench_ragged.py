@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Micro-benchmark of the DSpark context-KV store (overlay ``dspark_ragged``).
 
-Three implementations get the same inputs in the same run:
+Four implementations get the same inputs in the same run:
 
 - ``ours``: ``dspark_ragged.store_context_kv`` (vectorised, flat or ragged path);
 - ``loop``: the public recipes' per-request Python loop (slice, keep the last W, keep
@@ -10,6 +10,8 @@ Three implementations get the same inputs in the same run:
 - ``padded``: pad the step to a rectangle ``[R, max_len, D]``, then one masked store.
 
 Every implementation's result is checked bitwise against the others before timing.
+Batches of 6, 16 and 64 requests in three mixes (decode-only verify rows, chunked
+prefill + decode, one long prefill + decodes), D=512, W=128, bf16, CPU, one thread.
 Prints median time per call, speed-up vs both loops, the bytes each call allocates
 (measured with the torch profiler) and the padding bytes of the rectangle; writes
 ``bench-results/bench_ragged.json`` and ``.png``. Usage::
@@ -378,7 +380,7 @@ def main(argv=None):
     json_path, png_path = args.out / "bench_ragged.json", args.out / "bench_ragged.png"
     json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     plot(rows, png_path)
-    print(f"wrote {json_path.relative_to(ROOT)} and {png_path.relative_to(ROOT)}")
+    print(f"wrote {json_path} and {png_path}")
 
 
 if __name__ == "__main__":
