@@ -16,20 +16,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_tiny_model(path: Path = TINY_MODEL) -> Path:
-    """The tiny DeepSeek-V4-DSpark checkpoint, generated on first use."""
+def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = None) -> Path:
+    """A tiny DeepSeek-V4-DSpark checkpoint, generated on first use."""
     if not (path / "config.json").exists():
         import subprocess
         import sys
 
+        extra = [] if compress_ratios is None else ["--compress-ratios", compress_ratios]
         subprocess.run(
             [
                 sys.executable,
                 str(REPO / "scripts" / "make_tiny_model.py"),
                 "--dspark",
                 "--quiet",
+                "--force",
                 "--out",
                 str(path),
+                *extra,
             ],
             check=True,
         )

