@@ -79,6 +79,8 @@ def load_manifest() -> tuple[str, list[Entry]]:
             raise Refused(f"{where}: kind {kind} needs upstream_sha256 (64 hex digits)")
         if kind == "patch" and not raw.get("patch"):
             raise Refused(f"{where}: kind patch needs `patch:` (a file in overlay/patches/)")
+        if any(e.path == path for e in entries):
+            raise Refused(f"{where}: path {path!r} is listed twice; one entry per file")
         entry = Entry(path, kind, raw.get("upstream_sha256"), raw.get("patch"), raw.get("why", ""))
         if not entry.source.is_file():
             raise Refused(f"{where}: overlay source {entry.source} is missing")

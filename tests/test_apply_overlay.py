@@ -230,3 +230,11 @@ def test_failure_midway_restores_everything(target, tmp_path):
     # The new file does not compile: every other entry has been swapped in by then.
     overlay, _ = make_overlay(tmp_path, target, new_text="def broken(:\n")
     _assert_refused(target, overlay, tree_digest(target), "byte-compile failed")
+
+
+def test_refuses_manifest_listing_a_file_twice(installed_copy, tmp_path):
+    overlay, _ = make_overlay(tmp_path, installed_copy)
+    manifest = yaml.safe_load((overlay / "manifest.yaml").read_text())
+    manifest["entries"].append(dict(manifest["entries"][0]))
+    (overlay / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    _assert_refused(installed_copy, overlay, tree_digest(installed_copy), "listed twice")
