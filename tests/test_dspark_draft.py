@@ -9,9 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 from dspark_support import build_draft, ensure_tiny_model
-
-pytest.importorskip("vllm.models.deepseek_v4.common.dspark_draft")
-
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     DraftContext,

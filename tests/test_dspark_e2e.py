@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("vllm.v1.spec_decode.dspark_proposer")
+import vllm.v1.spec_decode.dspark_proposer  # noqa: E402,F401  (fails if the overlay is not applied)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -13,11 +13,8 @@ import zlib
 
 import pytest
 import torch
-from dspark_support import build_draft, ensure_tiny_model, make_proposer
-
-pytest.importorskip("vllm.v1.spec_decode.dspark_proposer")
-
 import vllm.v1.spec_decode.dspark_proposer as proposer_mod  # noqa: E402
+from dspark_support import build_draft, ensure_tiny_model, make_proposer
 
 
 @pytest.fixture(scope="module")
