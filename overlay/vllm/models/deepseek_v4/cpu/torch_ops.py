@@ -60,8 +60,9 @@ def _token_view(cache_2d: torch.Tensor, block_size: int):
 def _quantize(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 ``[T, 512]`` -> (record bytes ``[T, 576]``, scale bytes ``[T, 8]``)."""
     nope = kv[:, :NOPE_DIM].float().view(-1, NOPE_DIM // QUANT_BLOCK, QUANT_BLOCK)
-    amax = nope.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
-    exponent = torch.ceil(torch.log2(amax / FP8_MAX))
+    # Same rule as the native kernels: the scale, not the max, is floored at 1e-4.
+    scale = (nope.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-4)
+    exponent = torch.ceil(torch.log2(scale))
     q = (nope / torch.exp2(exponent)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     record = torch.cat(
         [q.view(-1, NOPE_DIM).view(torch.uint8), kv[:, NOPE_DIM:].contiguous().view(torch.uint8)],
