@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch_ops import _quantize, _rope_gptj, _token_view
+from .torch_ops import _quantize, _rope_gptj, _token_view, register_missing_kernels
 
 __all__ = ["MISSING_BEFORE_REGISTRATION", "register_missing_compressor_ops"]
 
@@ -387,26 +387,8 @@ _SCHEMAS = {
 }
 
 MISSING_BEFORE_REGISTRATION: list[str] = []
-_LIBRARY = None
 
 
 def register_missing_compressor_ops() -> list[str]:
-    """Register the torch version of every kernel ``torch.ops._C`` lacks; idempotent."""
-    global _LIBRARY
-    if _LIBRARY is not None:
-        return MISSING_BEFORE_REGISTRATION
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return []
-    current_platform.import_kernels()  # the native library first, so its ops win
-    missing = [name for name in _SCHEMAS if not hasattr(torch.ops._C, name)]
-    if missing:
-        _LIBRARY = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901
-        for name in missing:
-            _LIBRARY.define(_SCHEMAS[name])
-            _LIBRARY.impl(name, globals()[name], "CPU")
-    else:
-        _LIBRARY = False
-    MISSING_BEFORE_REGISTRATION[:] = missing
-    return missing
+    """Register the torch version of every compressor/indexer kernel ``torch.ops._C`` lacks."""
+    return register_missing_kernels(_SCHEMAS, globals(), MISSING_BEFORE_REGISTRATION)

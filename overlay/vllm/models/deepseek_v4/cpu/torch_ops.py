@@ -295,26 +295,33 @@ _SCHEMAS = {
 }
 
 MISSING_BEFORE_REGISTRATION: list[str] = []
-_LIBRARY = None
+_LIBRARIES: list = []  # keep each Library alive: dropping it would unregister its ops
 
 
-def register_missing_ops() -> list[str]:
-    """Register the torch version of every kernel ``torch.ops._C`` lacks; idempotent."""
-    global _LIBRARY
-    if _LIBRARY is not None:
-        return MISSING_BEFORE_REGISTRATION
+def register_missing_kernels(
+    schemas: dict[str, str], impls: dict, registered: list[str]
+) -> list[str]:
+    """Register ``impls[name]`` as ``torch.ops._C.<name>`` for each schema the build lacks.
+
+    The native library is imported first, so its kernels always win; `registered` (a module's
+    MISSING_BEFORE_REGISTRATION) collects what was replaced. Calling it again is a no-op.
+    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return []
-    current_platform.import_kernels()  # the native library first, so its ops win
-    missing = [name for name in _SCHEMAS if not hasattr(torch.ops._C, name)]
+    current_platform.import_kernels()
+    missing = [name for name in schemas if not hasattr(torch.ops._C, name)]
     if missing:
-        _LIBRARY = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901
+        library = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901
         for name in missing:
-            _LIBRARY.define(_SCHEMAS[name])
-            _LIBRARY.impl(name, globals()[name], "CPU")
-    else:
-        _LIBRARY = False
-    MISSING_BEFORE_REGISTRATION[:] = missing
-    return missing
+            library.define(schemas[name])
+            library.impl(name, impls[name], "CPU")
+        _LIBRARIES.append(library)
+        registered.extend(missing)
+    return registered
+
+
+def register_missing_ops() -> list[str]:
+    """Register the torch version of every SWA-path kernel ``torch.ops._C`` lacks."""
+    return register_missing_kernels(_SCHEMAS, globals(), MISSING_BEFORE_REGISTRATION)
