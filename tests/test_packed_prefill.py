@@ -464,7 +464,9 @@ INGEST_ERRORS = [
 
 
 @pytest.mark.parametrize(("name", "overrides", "match"), INGEST_ERRORS)
-def test_ingest_validation_errors_compute_and_write_nothing(name, overrides, match):
+def test_ingest_validation_errors_compute_and_write_nothing(name, overrides, match, monkeypatch):
+    # Other tests in the same process (vLLM engines) may have initialised torch.distributed.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     kwargs, calls = _ingest_case(**overrides)
     caches = kwargs["kv_caches"]
     before = [
@@ -497,8 +499,9 @@ def test_bad_projection_output_writes_nothing(name, bad, match):
     assert_caches_equal(kwargs["kv_caches"], before, name)
 
 
-def test_every_validation_error_has_its_own_message():
+def test_every_validation_error_has_its_own_message(monkeypatch):
     """Distinct checks give distinct messages (per entry point; shared checks may repeat)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     groups = []
     for cases in (PLAN_ERRORS, HELPER_ERRORS):
         messages = []
@@ -676,3 +679,13 @@ def test_tp2_straddling_request_and_interleaved_rows(tp2):
                 assert torch.equal(cache[row], c0[row]) and torch.equal(cache_pos[row], p0[row])
             # The pad (position 129) was written nowhere.
             assert not (cache_pos == 129).any()
+
+
+def test_group_that_is_not_a_process_group_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    kwargs, calls = _ingest_case(group=object())
+    with pytest.raises(
+        ValueError, match="group must be a torch.distributed ProcessGroup, got object"
+    ):
+        pp.ingest_packed_prefill(**kwargs)
+    assert calls == []

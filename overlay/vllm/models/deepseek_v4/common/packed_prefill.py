@@ -316,6 +316,10 @@ def _check_group(plan: PackedPrefill, rank: int, group: object) -> None:
         return
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group was given but torch.distributed is not initialized")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+        )
     size = dist.get_world_size(group)
     if size != plan.tp_size:
         raise ValueError(f"group has world size {size}, expected tp_size={plan.tp_size}")
