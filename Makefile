@@ -76,7 +76,7 @@ bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on 
 	  $(PY) scripts/bench_serving.py --base-url "http://127.0.0.1:$$port" --profile $(PROFILE) $(BENCH_ARGS) --plot; \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
 
-lint: setup ## ruff, hadolint, compose config
+lint: setup ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check scripts tests overlay
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh docker/entrypoint.sh
