@@ -88,9 +88,10 @@ def _dequantize(record: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _gather_slots(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int):
     """Dequantised KV ``[T, K, 512]`` of global slot ids ``[T, K]`` (-1 -> zeros, invalid)."""
     records, scales = _token_view(cache_2d, block_size)
-    safe = slots.clamp(min=0).long()
-    blk, off = safe // block_size, safe % block_size
-    return _dequantize(records[blk, off], scales[blk, off]), slots >= 0
+    # Neighbouring tokens list mostly the same window slots: dequantise each slot once.
+    unique, inverse = torch.unique(slots.clamp(min=0).long(), return_inverse=True)
+    blk, off = unique // block_size, unique % block_size
+    return _dequantize(records[blk, off], scales[blk, off])[inverse], slots >= 0
 
 
 # --------------------------------------------------------------------------- kernels
