@@ -18,12 +18,8 @@ expectation, because a bad table would otherwise read or overwrite another reque
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -277,33 +273,11 @@ def validate_request_tables(plan: PackedPrefill, **tables: torch.Tensor | None) 
             )
 
 
-@functools.cache
 def _ragged_store() -> Callable[..., None]:
-    """Resolve ``dspark_ragged.store_context_kv`` lazily (keeps this module import-light).
+    """``dspark_ragged.store_context_kv``, imported on first use (keeps this module import-light)."""
+    from vllm.v1.spec_decode.dspark_ragged import store_context_kv
 
-    Inside an applied overlay this module lives in the ``vllm`` package and imports it
-    normally; standalone (tests, benchmarks) it loads the sibling overlay file by path, so
-    no vLLM import is needed.
-    """
-    if (__package__ or "").startswith("vllm."):
-        from vllm.v1.spec_decode.dspark_ragged import store_context_kv
-
-        return store_context_kv
-    path = Path(__file__).resolve().parents[3] / "v1" / "spec_decode" / "dspark_ragged.py"
-    name = "_overlay_dspark_ragged"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None or not path.is_file():
-            raise ImportError(f"ragged store not found at {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return module.store_context_kv
+    return store_context_kv
 
 
 def _check_group(plan: PackedPrefill, rank: int, group: object) -> None:
