@@ -211,6 +211,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _nearest_folder(folder: Path) -> Path:
+    while not folder.is_dir():
+        folder = folder.parent
+    return folder
+
+
 def _make_folders(folder: Path) -> None:
     missing = []
     while not folder.exists():
@@ -350,9 +356,7 @@ def check_upstream(
                 "this is not the pinned upstream file (modified or another vLLM)"
             )
     for folder in {(target / e.path).parent for e in entries} | {target / "vllm"}:
-        probe = folder
-        while not probe.exists():
-            probe = probe.parent
+        probe = _nearest_folder(folder)
         if not _writable(probe):
             raise Refused(f"{probe}: not writable; run as a user who can write the vLLM install")
 
@@ -420,7 +424,7 @@ def restore_upstream(target: Path, entries: list[dict]) -> None:
             _prune_empty(dest.parent)
         elif (target / e["backup"]).is_file():
             os.replace(target / e["backup"], dest)
-        _fsync(dest.parent)
+        _fsync(_nearest_folder(dest.parent))
         step_done(f"restored {e['path']}")
 
 
