@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import io
 import itertools
+import json
 import os
 import re
 import shutil
@@ -419,3 +420,94 @@ def test_kill_at_every_step_boundary(op, tmp_path):
     written = {"apply": {NEW, REPLACED, PATCHED}, "update": {NEW, PATCHED, NEW2}}.get(op, set())
     expected = {f"restored {p}" for p in restored} | {f"wrote {p}" for p in written}
     assert expected <= set(labels), labels
+
+
+def test_journal_names_every_entry_its_backup_and_target_state(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    v1, patched = make_overlay(tmp_path / "v1", upstream)
+    v2 = make_update(tmp_path / "v2", upstream)
+
+    def text_sha(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def journal_after(start: Path, overlay: Path) -> dict:
+        tree = clone(start, tmp_path / f"journal-{overlay.parent.name}")
+        wrote = "wrote vllm/.dspark_overlay/journal.json"
+        assert run_tool("--target", str(tree), overlay=overlay, kill_at=wrote).returncode < 0
+        return {e["path"]: e for e in json.loads((tree / JOURNAL).read_text())["entries"]}
+
+    def backup(rel: str) -> str:
+        return f"{STATE_DIR}/backup/{rel}"
+
+    fresh = journal_after(upstream, v1)
+    assert fresh == {
+        NEW: dict(
+            path=NEW, kind="new", backup=None, upstream_sha256=None, state=text_sha(NEW_TEXT)
+        ),
+        REPLACED: dict(
+            path=REPLACED,
+            kind="replace",
+            backup=backup(REPLACED),
+            upstream_sha256=sha(upstream / REPLACED),
+            state=text_sha(REPLACE_TEXT),
+        ),
+        PATCHED: dict(
+            path=PATCHED,
+            kind="patch",
+            backup=backup(PATCHED),
+            upstream_sha256=sha(upstream / PATCHED),
+            state=text_sha(patched),
+        ),
+    }
+    applied = clone(upstream, tmp_path / "applied")
+    assert run_tool("--target", str(applied), overlay=v1).returncode == 0
+    update = journal_after(applied, v2)
+    # The update takes REPLACED back to upstream and writes NEW2 besides the changed NEW.
+    assert update.keys() == {NEW, REPLACED, PATCHED, NEW2}
+    assert update[REPLACED]["state"] == sha(upstream / REPLACED)
+    assert update[NEW]["state"] == text_sha("ANSWER = 43\n")
+    assert update[NEW2]["state"] == text_sha("TWO = 2\n")
+
+
+# A few boundaries on the real overlay and both real targets (the sweep above covers all).
+REAL_KILLS = [
+    ("apply", "wrote vllm/v1/worker/gpu_model_runner.py"),
+    ("update", "wrote vllm/v1/spec_decode/dspark_ragged.py"),
+    ("revert", "restored vllm/models/deepseek_v4/cpu/dspark.py"),
+]
+
+
+@pytest.mark.parametrize("op,label", REAL_KILLS, ids=[op for op, _ in REAL_KILLS])
+def test_kill_on_real_targets(target, op, label, tmp_path):
+    pristine = tree_digest(target)
+    v1 = REPO / "overlay"
+    v2 = tmp_path / "overlay-v2"
+    shutil.copytree(v1, v2)
+    ragged = v2 / "vllm" / "v1" / "spec_decode" / "dspark_ragged.py"
+    ragged.write_text(ragged.read_text() + "# a later overlay version\n")
+    overlay = v2 if op == "update" else v1
+    reference = clone(target, tmp_path / "reference")
+    assert run_tool("--target", str(reference), overlay=overlay).returncode == 0
+    applied_state = without_bytecode(tree_digest(reference))
+    assert (reference / ragged.relative_to(v2)).read_bytes() == (
+        overlay / ragged.relative_to(v2)
+    ).read_bytes()
+    if op != "apply":
+        assert run_tool("--target", str(target), overlay=v1).returncode == 0
+    args = ["--revert"] if op == "revert" else []
+    killed = run_tool("--target", str(target), *args, overlay=overlay, kill_at=label)
+    assert killed.returncode == -signal.SIGKILL and label in killed.stderr, killed.stderr
+    assert (target / JOURNAL).exists()
+    assert_recovers(target, op, None, pristine, applied_state, overlay)
+
+
+def test_failed_update_rolls_back_to_upstream_and_says_so(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    pristine = tree_digest(upstream)
+    v1, _ = make_overlay(tmp_path / "v1", upstream)
+    assert run_tool("--target", str(upstream), overlay=v1).returncode == 0
+    (v1 / NEW).write_text("def broken(:\n")  # fails only at byte-compile, after the swaps
+    result = run_tool("--target", str(upstream), overlay=v1)
+    assert result.returncode == 2 and "byte-compile failed" in result.stderr, result.stderr
+    assert "rolled back to upstream vLLM" in result.stderr, result.stderr
+    assert tree_digest(upstream) == pristine
