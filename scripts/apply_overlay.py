@@ -250,12 +250,9 @@ def write_atomically(target: Path, rel: str, fill: Callable[[Path], None]) -> No
     step_done(f"wrote {rel}")
 
 
-def _write_text(text: str, path: Path) -> None:
-    path.write_text(text)
-
-
 def write_json(target: Path, rel: str, data: dict) -> None:
-    write_atomically(target, rel, functools.partial(_write_text, json.dumps(data, indent=2) + "\n"))
+    text = json.dumps(data, indent=2) + "\n"
+    write_atomically(target, rel, lambda tmp: tmp.write_text(text))
 
 
 def remove(target: Path, rel: str) -> None:
@@ -457,7 +454,8 @@ def recover(target: Path) -> str | None:
     """Finish what a killed run left behind; a one-line account, or None if nothing was."""
     journal = read_journal(target)
     if journal is None:
-        # Killed before its journal was complete: nothing else had been written yet.
+        # Killed before its journal was complete (nothing else written yet) or right after
+        # removing it at the end of a revert: at most our empty state folder is left.
         tmp_sibling(target / JOURNAL).unlink(missing_ok=True)
         state = target / STATE_DIR
         if read_marker(target) is None and state.is_dir() and not any(state.iterdir()):

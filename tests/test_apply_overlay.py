@@ -436,28 +436,16 @@ def test_journal_names_every_entry_its_backup_and_target_state(tmp_path):
         assert run_tool("--target", str(tree), overlay=overlay, kill_at=wrote).returncode < 0
         return {e["path"]: e for e in json.loads((tree / JOURNAL).read_text())["entries"]}
 
-    def backup(rel: str) -> str:
-        return f"{STATE_DIR}/backup/{rel}"
+    def entry(rel: str, kind: str, state: str) -> dict:
+        upstream_sha, backup = None, None
+        if kind != "new":
+            upstream_sha, backup = sha(upstream / rel), f"{STATE_DIR}/backup/{rel}"
+        return dict(path=rel, kind=kind, backup=backup, upstream_sha256=upstream_sha, state=state)
 
-    fresh = journal_after(upstream, v1)
-    assert fresh == {
-        NEW: dict(
-            path=NEW, kind="new", backup=None, upstream_sha256=None, state=text_sha(NEW_TEXT)
-        ),
-        REPLACED: dict(
-            path=REPLACED,
-            kind="replace",
-            backup=backup(REPLACED),
-            upstream_sha256=sha(upstream / REPLACED),
-            state=text_sha(REPLACE_TEXT),
-        ),
-        PATCHED: dict(
-            path=PATCHED,
-            kind="patch",
-            backup=backup(PATCHED),
-            upstream_sha256=sha(upstream / PATCHED),
-            state=text_sha(patched),
-        ),
+    assert journal_after(upstream, v1) == {
+        NEW: entry(NEW, "new", text_sha(NEW_TEXT)),
+        REPLACED: entry(REPLACED, "replace", text_sha(REPLACE_TEXT)),
+        PATCHED: entry(PATCHED, "patch", text_sha(patched)),
     }
     applied = clone(upstream, tmp_path / "applied")
     assert run_tool("--target", str(applied), overlay=v1).returncode == 0
