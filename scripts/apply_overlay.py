@@ -104,7 +104,7 @@ def load_manifest() -> tuple[str, list[Entry]]:
         if kind not in KINDS:
             raise Refused(f"{where}: kind {kind!r} must be one of {', '.join(KINDS)}")
         path = raw.get("path", "")
-        if not path.startswith("vllm/") or ".." in Path(path).parts:
+        if not _inside_vllm(path):
             raise Refused(f"{where}: path {path!r} must be inside vllm/")
         if kind != "new" and not re.fullmatch(r"[0-9a-f]{64}", str(raw.get("upstream_sha256"))):
             raise Refused(f"{where}: kind {kind} needs upstream_sha256 (64 hex digits)")
@@ -171,7 +171,24 @@ def read_marker(target: Path) -> dict | None:
 
 
 def read_journal(target: Path) -> dict | None:
-    return _read_json(target, JOURNAL)
+    """The journal of an interrupted run, checked: recovery deletes and moves what it names."""
+    journal = _read_json(target, JOURNAL)
+    if journal is None:
+        return None
+    if journal.get("op") not in EXIT_INTERRUPTED or not isinstance(journal.get("entries"), list):
+        raise Refused(f"{JOURNAL}: op must be one of {', '.join(EXIT_INTERRUPTED)}, with entries")
+    for i, e in enumerate(journal["entries"]):
+        backup = None if e.get("kind") == "new" else f"{BACKUP}/{e.get('path')}"
+        if not _inside_vllm(e.get("path")) or e.get("backup") != backup:
+            raise Refused(
+                f"{JOURNAL} entries[{i}]: path {e.get('path')!r} must be inside vllm/ and "
+                f"backup {e.get('backup')!r} must be {backup!r}"
+            )
+    return journal
+
+
+def _inside_vllm(path: object) -> bool:
+    return isinstance(path, str) and path.startswith("vllm/") and ".." not in Path(path).parts
 
 
 def file_state(path: Path) -> str | None:

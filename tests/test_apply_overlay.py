@@ -499,3 +499,21 @@ def test_failed_update_rolls_back_to_upstream_and_says_so(tmp_path):
     assert result.returncode == 2 and "byte-compile failed" in result.stderr, result.stderr
     assert "rolled back to upstream vLLM" in result.stderr, result.stderr
     assert tree_digest(upstream) == pristine
+
+
+def test_a_journal_naming_files_outside_vllm_is_refused(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    (tmp_path / "outside.py").write_text("not vLLM's\n")
+    journal = {
+        "op": "apply",
+        "mode": "copy",
+        "entries": [
+            {"path": "vllm/../outside.py", "kind": "new", "backup": None, "state": None},
+        ],
+    }
+    (upstream / JOURNAL).parent.mkdir(parents=True)
+    (upstream / JOURNAL).write_text(json.dumps(journal))
+    before = tree_digest(tmp_path)
+    result = run_tool("--target", str(upstream), "--revert")
+    assert result.returncode == 2 and "entries[0]: path 'vllm/../outside.py'" in result.stderr
+    assert tree_digest(tmp_path) == before
