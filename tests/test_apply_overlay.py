@@ -517,3 +517,16 @@ def test_a_journal_naming_files_outside_vllm_is_refused(tmp_path):
     result = run_tool("--target", str(upstream), "--revert")
     assert result.returncode == 2 and "entries[0]: path 'vllm/../outside.py'" in result.stderr
     assert tree_digest(tmp_path) == before
+
+
+def test_recovery_refuses_when_a_backup_is_not_upstream_and_changes_nothing(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    v1, _ = make_overlay(tmp_path / "v1", upstream)
+    killed = run_tool("--target", str(upstream), overlay=v1, kill_at=f"wrote {PATCHED}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    rewrite(upstream / STATE_DIR / "backup" / REPLACED, "edited by hand\n")
+    before = tree_digest(upstream)
+    result = run_tool("--target", str(upstream), "--revert", overlay=v1)
+    assert result.returncode == 2, result.stdout
+    assert f"{REPLACED}: neither it nor its backup" in result.stderr, result.stderr
+    assert tree_digest(upstream) == before
