@@ -293,7 +293,7 @@ NEW2 = "vllm/v1/spec_decode/overlay_selftest_two.py"
 
 def make_tiny_vllm(root: Path) -> Path:
     """A four-file vLLM tree of the pinned version, so that killing the tool at every boundary
-    (40 kills, each followed by four recoveries) stays cheap."""
+    (40 kills, each followed by --check, --revert, apply and --link) stays cheap."""
     pin = yaml.safe_load((REPO / "recipe" / "pins.yaml").read_text())["vllm"]["version"]
     files = {
         "vllm/__init__.py": "",
