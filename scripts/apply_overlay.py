@@ -566,7 +566,7 @@ def apply(
             return "already applied; nothing to do"
         if code == EXIT_DRIFTED:
             raise Refused("the applied overlay was modified in place; run --revert first")
-    # An older overlay or another mode is applied: plan against the upstream files it backed up.
+    # If an older overlay (or another mode) is applied, plan against the upstream it backed up.
     held = upstream_paths(target, marker)
 
     def upstream(rel: str) -> Path | None:
