@@ -8,42 +8,73 @@ there), the target is checked (version, hashes, writable), and only then are fil
 with originals backed up inside the target. Any failure restores what was already swapped.
 
 State lives in the target: `vllm/.dspark_overlay.json` (the marker: overlay version and digest,
-mode, every file written with its sha256) and `vllm/.dspark_overlay/backup/` (originals).
+mode, every file written with its sha256) and `vllm/.dspark_overlay/` (`backup/` holds the
+originals; `journal.json` exists only while an apply, update or revert is under way).
+
+Crash safety: the journal is written (atomically, fsynced) before the first file changes and
+names every entry, its backup and the state the operation leaves it in; it is removed only
+once the target is consistent again. Every write is a rename of a fsynced temporary file, so a
+file is always whole. A process killed at any point (SIGKILL, power loss) leaves the journal
+behind, and the next invocation of any writing mode first takes the target back to upstream
+vLLM from it (rolling an interrupted apply or update back, an interrupted revert forward),
+says so in one line, then does what was asked; `--check` reports it without writing.
 
 Exit codes: 0 ok / applied, 1 not applied (--check), 2 usage or refused, 3 drifted (--check),
-4 applied but the overlay changed since (--check; re-run apply to update).
+4 applied but the overlay changed since (--check; re-run apply to update), 5/6/7 an apply,
+revert or update was interrupted (--check; the message names the command that repairs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import functools
 import hashlib
+import itertools
 import json
 import os
 import py_compile
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+TOOL = Path(__file__).resolve().with_suffix(".sh")
 # DSPARK_OVERLAY_DIR points the tool at another overlay tree (the tests use synthetic ones).
 OVERLAY = Path(os.environ.get("DSPARK_OVERLAY_DIR", REPO / "overlay"))
 PINS = REPO / "recipe" / "pins.yaml"
 MARKER = "vllm/.dspark_overlay.json"
-BACKUP = "vllm/.dspark_overlay/backup"
+STATE_DIR = "vllm/.dspark_overlay"
+BACKUP = STATE_DIR + "/backup"
+JOURNAL = STATE_DIR + "/journal.json"
 KINDS = ("new", "replace", "patch")
 
 EXIT_OK, EXIT_NOT_APPLIED, EXIT_REFUSED, EXIT_DRIFTED, EXIT_STALE = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = {"apply": 5, "revert": 6, "update": 7}
+# Fault injection for the crash tests: SIGKILL at the N-th step boundary, or at the first one
+# with this label (see step_done).
+KILL_AT = os.environ.get("DSPARK_OVERLAY_KILL_AT", "")
 
 
 class Refused(Exception):
     """The target was left untouched (or restored) and this says why."""
+
+    outcome = "the target was not changed"
+
+
+class RolledBack(Refused):
+    """An update failed after taking the previous overlay off: the target is upstream now."""
+
+    outcome = "the target was rolled back to upstream vLLM; the previous overlay is off"
 
 
 @dataclass(frozen=True)
@@ -73,7 +104,7 @@ def load_manifest() -> tuple[str, list[Entry]]:
         if kind not in KINDS:
             raise Refused(f"{where}: kind {kind!r} must be one of {', '.join(KINDS)}")
         path = raw.get("path", "")
-        if not path.startswith("vllm/") or ".." in Path(path).parts:
+        if not _inside_vllm(path):
             raise Refused(f"{where}: path {path!r} must be inside vllm/")
         if kind != "new" and not re.fullmatch(r"[0-9a-f]{64}", str(raw.get("upstream_sha256"))):
             raise Refused(f"{where}: kind {kind} needs upstream_sha256 (64 hex digits)")
@@ -125,9 +156,39 @@ def target_from_python(python: str) -> Path:
     return Path(out.stdout.strip())
 
 
+def _read_json(target: Path, rel: str) -> dict | None:
+    path = target / rel
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise Refused(f"{rel}: not valid JSON ({exc}); it is written only by this tool")
+
+
 def read_marker(target: Path) -> dict | None:
-    path = target / MARKER
-    return json.loads(path.read_text()) if path.is_file() else None
+    return _read_json(target, MARKER)
+
+
+def read_journal(target: Path) -> dict | None:
+    """The journal of an interrupted run, checked: recovery deletes and moves what it names."""
+    journal = _read_json(target, JOURNAL)
+    if journal is None:
+        return None
+    if journal.get("op") not in EXIT_INTERRUPTED or not isinstance(journal.get("entries"), list):
+        raise Refused(f"{JOURNAL}: op must be one of {', '.join(EXIT_INTERRUPTED)}, with entries")
+    for i, e in enumerate(journal["entries"]):
+        backup = None if e.get("kind") == "new" else f"{BACKUP}/{e.get('path')}"
+        if not _inside_vllm(e.get("path")) or e.get("backup") != backup:
+            raise Refused(
+                f"{JOURNAL} entries[{i}]: path {e.get('path')!r} must be inside vllm/ and "
+                f"backup {e.get('backup')!r} must be {backup!r}"
+            )
+    return journal
+
+
+def _inside_vllm(path: object) -> bool:
+    return isinstance(path, str) and path.startswith("vllm/") and ".." not in Path(path).parts
 
 
 def file_state(path: Path) -> str | None:
@@ -137,14 +198,126 @@ def file_state(path: Path) -> str | None:
     return sha256(path) if path.is_file() else None
 
 
-def stage(target: Path, entries: list[Entry], staging: Path, link: bool) -> dict[str, str]:
+# ---- durable, crash-consistent writes -------------------------------------------------------
+
+_boundaries = itertools.count(1)
+
+
+def step_done(label: str) -> None:
+    """A step boundary: everything written so far is durable and the journal describes it.
+
+    With DSPARK_OVERLAY_KILL_AT set to this boundary's number (counted from 1 in this process)
+    or its label, the process SIGKILLs itself here: the crash tests stop the tool at each one.
+    """
+    number = next(_boundaries)
+    if KILL_AT in (str(number), label):
+        print(
+            f"apply_overlay: fault injection: SIGKILL at step boundary {number} ({label})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (so a rename in it survives power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _nearest_folder(folder: Path) -> Path:
+    while not folder.is_dir():
+        folder = folder.parent
+    return folder
+
+
+def _make_folders(folder: Path) -> None:
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for new in reversed(missing):
+        new.mkdir()
+        _fsync(new.parent)
+
+
+def tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.overlay-tmp")
+
+
+def write_atomically(target: Path, rel: str, fill: Callable[[Path], None]) -> None:
+    """Give target/rel new content by renaming a fsynced temporary file over it.
+
+    `fill(tmp)` creates the temporary file (copy, symlink or text). A crash leaves rel either
+    as it was or complete; at worst a temporary sibling that recovery removes.
+    """
+    dest = target / rel
+    _make_folders(dest.parent)
+    tmp = tmp_sibling(dest)
+    tmp.unlink(missing_ok=True)
+    fill(tmp)
+    if not tmp.is_symlink():
+        _fsync(tmp)
+    step_done(f"staged {rel}")
+    os.replace(tmp, dest)
+    _fsync(dest.parent)
+    step_done(f"wrote {rel}")
+
+
+def write_json(target: Path, rel: str, data: dict) -> None:
+    text = json.dumps(data, indent=2) + "\n"
+    write_atomically(target, rel, lambda tmp: tmp.write_text(text))
+
+
+def remove(target: Path, rel: str) -> None:
+    path = target / rel
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    else:
+        return
+    _fsync(path.parent)
+    step_done(f"removed {rel}")
+
+
+@contextlib.contextmanager
+def exclusive(target: Path) -> Iterator[None]:
+    """One invocation per target at a time: recovery must never undo a run still in progress."""
+    fd = os.open(target / "vllm", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise Refused(f"{target}: another apply_overlay.sh is working on it; wait for it to end")
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+# ---- staging and checks (nothing in the target is written) ----------------------------------
+
+
+def upstream_paths(target: Path, marker: dict | None) -> dict[str, Path | None]:
+    """Where upstream content lives for files an applied overlay holds (None: not upstream)."""
+    files = marker["files"] if marker else []
+    return {f["path"]: None if f["kind"] == "new" else target / BACKUP / f["path"] for f in files}
+
+
+def stage(
+    entries: list[Entry], upstream: Callable[[str], Path | None], staging: Path, link: bool
+) -> dict[str, str]:
     """Compute every new file in `staging`; return path -> expected state after apply."""
     expected = {}
     for e in entries:
         out = staging / e.path
         out.parent.mkdir(parents=True, exist_ok=True)
         if e.kind == "patch":
-            shutil.copy2(target / e.path, out)
+            shutil.copy2(upstream(e.path), out)
             result = subprocess.run(
                 [
                     "patch",
@@ -177,21 +350,19 @@ def stage(target: Path, entries: list[Entry], staging: Path, link: bool) -> dict
     return expected
 
 
-def check_upstream(target: Path, entries: list[Entry]) -> None:
+def check_upstream(
+    target: Path, entries: list[Entry], upstream: Callable[[str], Path | None]
+) -> None:
     """Refuse unless the target is the pinned, unmodified vLLM we built the overlay against."""
-    if not (target / "vllm").is_dir():
-        raise Refused(
-            f"{target}: no vllm/ package folder here; pass the directory that contains vllm/"
-        )
     version, pin = target_version(target), pinned_version()
     if version != pin:
         raise Refused(f"{target}/vllm: version {version!r} != pinned {pin!r} (recipe/pins.yaml)")
     for e in entries:
-        path = target / e.path
+        path = upstream(e.path)
         if e.kind == "new":
-            if path.exists() or path.is_symlink():
+            if path is not None and (path.exists() or path.is_symlink()):
                 raise Refused(f"{e.path}: exists upstream, but the manifest says kind `new`")
-        elif not path.is_file():
+        elif path is None or not path.is_file():
             raise Refused(f"{e.path}: missing in the target; the manifest expects an upstream file")
         elif (actual := sha256(path)) != e.upstream_sha256:
             raise Refused(
@@ -199,9 +370,7 @@ def check_upstream(target: Path, entries: list[Entry]) -> None:
                 "this is not the pinned upstream file (modified or another vLLM)"
             )
     for folder in {(target / e.path).parent for e in entries} | {target / "vllm"}:
-        probe = folder
-        while not probe.exists():
-            probe = probe.parent
+        probe = _nearest_folder(folder)
         if not _writable(probe):
             raise Refused(f"{probe}: not writable; run as a user who can write the vLLM install")
 
@@ -229,53 +398,54 @@ def byte_compile(paths: list[Path], python: str | None) -> None:
             raise Refused(f"byte-compile failed: {exc.msg}")
 
 
-def install(
-    target: Path,
-    entries: list[Entry],
-    staging: Path,
-    expected: dict[str, str],
-    link: bool,
-    python: str | None,
-    version: str,
-    digest: str,
-) -> None:
-    """Swap staged files in; on any error put every original back and re-raise."""
-    backup = target / BACKUP
-    done: list[Entry] = []
-    try:
-        for e in entries:
-            dest = target / e.path
-            if e.kind != "new":
-                (backup / e.path).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(dest, backup / e.path)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.overlay-tmp")
-            if link and e.kind != "patch":
-                tmp.symlink_to(e.source)
-            else:
-                shutil.copy2(staging / e.path, tmp)
-            os.replace(tmp, dest)
-            done.append(e)
-        byte_compile([target / e.path for e in entries], python)
-        marker = {
-            "overlay_version": version,
-            "overlay_digest": digest,
-            "vllm_version": pinned_version(),
-            "mode": "link" if link else "copy",
-            "files": [{"path": e.path, "kind": e.kind, "state": expected[e.path]} for e in entries],
-        }
-        tmp_marker = target / (MARKER + ".tmp")
-        tmp_marker.write_text(json.dumps(marker, indent=2) + "\n")
-        os.replace(tmp_marker, target / MARKER)
-    except BaseException:
-        restore(target, done)
-        (target / (MARKER + ".tmp")).unlink(missing_ok=True)
-        raise
+# ---- the journal and going back to upstream --------------------------------------------------
+
+
+def journal_entry(path: str, kind: str, upstream_sha: str | None, state: str | None) -> dict:
+    """One file an operation touches: its backup and the state the operation leaves it in."""
+    return {
+        "path": path,
+        "kind": kind,
+        "backup": None if kind == "new" else f"{BACKUP}/{path}",
+        "upstream_sha256": upstream_sha,
+        "state": state,  # sha256, "link:<dest>", or None (absent)
+    }
+
+
+def restore_upstream(target: Path, entries: list[dict]) -> None:
+    """Put upstream back for every entry: backups moved into place, new files removed.
+
+    Idempotent: a backup is consumed only by moving it into place, and one is taken before its
+    file is swapped, so a missing backup means the file is upstream. Every entry is checked
+    before anything changes, so a target this cannot restore is left as it is.
+    """
+    for e in entries:
+        if e["kind"] == "new" or not e["upstream_sha256"]:
+            continue
+        backup = target / e["backup"]
+        holder = backup if backup.is_file() else target / e["path"]
+        if file_state(holder) != e["upstream_sha256"]:
+            raise Refused(
+                f"{e['path']}: neither it nor its backup {e['backup']} is the upstream file "
+                "any more (changed by hand?); reinstall vLLM to recover"
+            )
+    for e in reversed(entries):
+        dest = target / e["path"]
+        tmp_sibling(dest).unlink(missing_ok=True)
+        _drop_bytecode(dest)
+        if e["kind"] == "new":
+            dest.unlink(missing_ok=True)
+            _prune_empty(dest.parent)
+        elif (target / e["backup"]).is_file():
+            os.replace(target / e["backup"], dest)
+        _fsync(_nearest_folder(dest.parent))
+        step_done(f"restored {e['path']}")
 
 
 def _drop_bytecode(path: Path) -> None:
     cache = path.parent / "__pycache__"
-    for pyc in cache.glob(f"{path.stem}.*.pyc") if cache.is_dir() else []:
+    # `.pyc*` also matches a temporary file byte-compiling was killed in the middle of.
+    for pyc in cache.glob(f"{path.stem}.*.pyc*") if cache.is_dir() else []:
         pyc.unlink()
     _prune_empty(cache)
 
@@ -287,23 +457,50 @@ def _prune_empty(folder: Path) -> None:
         folder = folder.parent
 
 
-def restore(target: Path, entries: list[Entry] | list[dict]) -> None:
-    """Undo the given entries: originals back from the backup, new files removed."""
-    backup = target / BACKUP
-    for e in reversed(entries):
-        path, kind = (e.path, e.kind) if isinstance(e, Entry) else (e["path"], e["kind"])
-        dest = target / path
-        _drop_bytecode(dest)
-        if kind == "new":
-            dest.unlink(missing_ok=True)
-            _prune_empty(dest.parent)
-        else:
-            dest.unlink(missing_ok=True)
-            os.replace(backup / path, dest)
-    shutil.rmtree(target / "vllm" / ".dspark_overlay", ignore_errors=True)
+def finish_to_upstream(target: Path, journal: dict) -> None:
+    """Complete the way back to upstream that `journal` describes, removing all our state."""
+    restore_upstream(target, journal["entries"])
+    remove(target, BACKUP)
+    remove(target, f"vllm/{tmp_sibling(target / MARKER).name}")
+    remove(target, MARKER)
+    remove(target, JOURNAL)
+    remove(target, STATE_DIR)
+
+
+def recover(target: Path) -> str | None:
+    """Finish what a killed run left behind; a one-line account, or None if nothing was."""
+    journal = read_journal(target)
+    if journal is None:
+        # Killed before its journal was complete (nothing else written yet) or right after
+        # removing it at the end of a revert: at most our empty state folder is left.
+        tmp_sibling(target / JOURNAL).unlink(missing_ok=True)
+        state = target / STATE_DIR
+        if read_marker(target) is None and state.is_dir() and not any(state.iterdir()):
+            state.rmdir()
+        return None
+    finish_to_upstream(target, journal)
+    return (
+        f"recovered from an interrupted {journal['op']}: upstream vLLM restored "
+        f"({len(journal['entries'])} entries)"
+    )
+
+
+# ---- the modes ------------------------------------------------------------------------------
 
 
 def check(target: Path, entries: list[Entry], digest: str) -> tuple[int, str]:
+    journal = read_journal(target)
+    if journal is not None:
+        op = journal["op"]
+        done = sum(file_state(target / e["path"]) == e["state"] for e in journal["entries"])
+        repair = f"{TOOL} --target {target}" + (
+            " --revert" if op == "revert" else " --link" if journal["mode"] == "link" else ""
+        )
+        return (
+            EXIT_INTERRUPTED[op],
+            f"interrupted {op} ({done} of {len(journal['entries'])} files were done); "
+            f"repair: {repair}",
+        )
     marker = read_marker(target)
     if marker is None:
         untouched = all(
@@ -326,32 +523,110 @@ def check(target: Path, entries: list[Entry], digest: str) -> tuple[int, str]:
     return EXIT_OK, f"applied (overlay {marker['overlay_version']}, mode {marker['mode']})"
 
 
+def plan(
+    op: str, mode: str, entries: list[Entry], expected: dict[str, str], marker: dict | None
+) -> dict:
+    """The journal of an apply or update: the new entries, plus the old ones it takes off."""
+    planned = {
+        e.path: journal_entry(e.path, e.kind, e.upstream_sha256, expected[e.path]) for e in entries
+    }
+    for f in marker["files"] if marker else []:
+        if f["path"] not in planned:
+            sha = f.get("upstream_sha256")
+            planned[f["path"]] = journal_entry(f["path"], f["kind"], sha, sha)
+    return {"op": op, "mode": mode, "entries": list(planned.values())}
+
+
+def marker_for(version: str, digest: str, mode: str, entries: list[Entry], expected: dict) -> dict:
+    return {
+        "overlay_version": version,
+        "overlay_digest": digest,
+        "vllm_version": pinned_version(),
+        "mode": mode,
+        "files": [
+            {
+                "path": e.path,
+                "kind": e.kind,
+                "state": expected[e.path],
+                "upstream_sha256": e.upstream_sha256,
+            }
+            for e in entries
+        ],
+    }
+
+
 def apply(
     target: Path, entries: list[Entry], version: str, digest: str, link: bool, python: str | None
 ) -> str:
+    mode = "link" if link else "copy"
     marker = read_marker(target)
     if marker is not None:
         code, _ = check(target, entries, digest)
-        if code == EXIT_OK and marker["mode"] == ("link" if link else "copy"):
+        if code == EXIT_OK and marker["mode"] == mode:
             return "already applied; nothing to do"
         if code == EXIT_DRIFTED:
             raise Refused("the applied overlay was modified in place; run --revert first")
-        revert(target)  # an older overlay or another mode: take it off, then apply afresh
-    check_upstream(target, entries)
+    # If an older overlay (or another mode) is applied, plan against the upstream it backed up.
+    held = upstream_paths(target, marker)
+
+    def upstream(rel: str) -> Path | None:
+        return held.get(rel, target / rel)
+
+    check_upstream(target, entries, upstream)
+    op = "apply" if marker is None else "update"
     with tempfile.TemporaryDirectory(prefix="overlay-stage-") as tmp:
-        staging = Path(tmp)
-        expected = stage(target, entries, staging, link)
-        install(target, entries, staging, expected, link, python, version, digest)
-    return f"applied {len(entries)} entries (overlay {version}, {'link' if link else 'copy'})"
+        expected = stage(entries, upstream, Path(tmp), link)
+        journal = plan(op, mode, entries, expected, marker)
+        write_json(target, JOURNAL, journal)
+        try:
+            if marker is not None:
+                restore_upstream(target, revert_entries(marker))
+            install(target, entries, Path(tmp), link, python)
+            write_json(target, MARKER, marker_for(version, digest, mode, entries, expected))
+        except BaseException as exc:
+            finish_to_upstream(target, journal)
+            if isinstance(exc, Refused) and op == "update":
+                raise RolledBack(str(exc)) from exc
+            raise
+    (target / JOURNAL).unlink()
+    _fsync(target / STATE_DIR)
+    verb = "updated to" if op == "update" else "applied"
+    return f"{verb} {len(entries)} entries (overlay {version}, {mode})"
+
+
+def install(
+    target: Path, entries: list[Entry], staging: Path, link: bool, python: str | None
+) -> None:
+    """Back up each original, then swap the staged file (or a link) in; byte-compile all."""
+    for e in entries:
+        if e.kind != "new":
+            write_atomically(
+                target, f"{BACKUP}/{e.path}", functools.partial(shutil.copy2, target / e.path)
+            )
+        if link and e.kind != "patch":
+            write_atomically(target, e.path, functools.partial(os.symlink, e.source))
+        else:
+            write_atomically(target, e.path, functools.partial(shutil.copy2, staging / e.path))
+    byte_compile([target / e.path for e in entries], python)
+    step_done("byte-compiled")
+
+
+def revert_entries(marker: dict) -> list[dict]:
+    """Journal entries that take an applied overlay off (upstream is their target state)."""
+    return [
+        journal_entry(f["path"], f["kind"], f.get("upstream_sha256"), f.get("upstream_sha256"))
+        for f in marker["files"]
+    ]
 
 
 def revert(target: Path) -> str:
     marker = read_marker(target)
     if marker is None:
-        return "not applied; nothing to revert"
-    restore(target, marker["files"])
-    (target / MARKER).unlink()
-    return f"reverted {len(marker['files'])} entries"
+        return "not applied (upstream vLLM); nothing to revert"
+    journal = {"op": "revert", "mode": marker["mode"], "entries": revert_entries(marker)}
+    write_json(target, JOURNAL, journal)
+    finish_to_upstream(target, journal)
+    return f"reverted {len(journal['entries'])} entries"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,25 +638,34 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--target", type=Path, help="directory that contains the vllm/ package")
     where.add_argument("--python", help="interpreter whose installed vllm is the target")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="report state only (exit 0/1/3/4)")
+    mode.add_argument(
+        "--check", action="store_true", help="report state only (exit 0/1/3/4, 5-7 interrupted)"
+    )
     mode.add_argument("--revert", action="store_true", help="restore the upstream files")
     mode.add_argument("--link", action="store_true", help="symlink overlay files (development)")
     args = parser.parse_args(argv)
     try:
         target = (args.target or target_from_python(args.python)).resolve()
+        if not (target / "vllm").is_dir():
+            raise Refused(
+                f"{target}: no vllm/ package folder here; pass the directory that contains vllm/"
+            )
         version, entries = load_manifest()
         digest = overlay_digest(entries)
-        if args.check:
-            code, message = check(target, entries, digest)
-            print(f"{target}: {message}")
-            return code
-        if args.revert:
-            print(f"{target}: {revert(target)}")
+        with exclusive(target):
+            if args.check:
+                code, message = check(target, entries, digest)
+                print(f"{target}: {message}")
+                return code
+            if recovered := recover(target):
+                print(f"{target}: {recovered}", flush=True)
+            if args.revert:
+                print(f"{target}: {revert(target)}")
+                return EXIT_OK
+            print(f"{target}: {apply(target, entries, version, digest, args.link, args.python)}")
             return EXIT_OK
-        print(f"{target}: {apply(target, entries, version, digest, args.link, args.python)}")
-        return EXIT_OK
     except Refused as exc:
-        print(f"apply_overlay: refused: {exc}\n(the target was not changed)", file=sys.stderr)
+        print(f"apply_overlay: refused: {exc}\n({exc.outcome})", file=sys.stderr)
         return EXIT_REFUSED
 
 

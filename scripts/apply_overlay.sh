@@ -2,7 +2,8 @@
 # Apply the DSpark overlay onto a vLLM tree of the pinned version (recipe/pins.yaml).
 #   scripts/apply_overlay.sh --target DIR      DIR contains the vllm/ package (checkout or site-packages)
 #   scripts/apply_overlay.sh --python PY       the vllm that PY imports
-# Options: --check (0 applied, 1 not applied, 3 drifted, 4 stale), --revert, --link (symlinks).
+# Options: --check (0 applied, 1 not applied, 3 drifted, 4 stale, 5/6/7 an interrupted
+# apply/revert/update), --revert, --link (symlinks). A killed run is recovered by the next one.
 # Needs python3 with PyYAML (vLLM depends on it) and GNU patch.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

