@@ -11,9 +11,10 @@ import sys
 import time
 import urllib.request
 
-import bench_serving
 import pytest
 from conftest import REPO
+
+from scripts.bench import schema, sweep
 
 pytestmark = pytest.mark.e2e
 STARTUP_S = 600
@@ -91,10 +92,10 @@ def test_smoke_sees_speculative_decoding(server):
 
 
 def test_two_level_sweep_validates(server):
-    result = bench_serving.run_sweep(
+    result = sweep.run_sweep(
         server, concurrency=(1, 2), prompt_lens=(64,), output_len=8, rounds=1, warmup=1
     )
-    bench_serving.validate_result(result)
+    schema.validate_result(result)
     assert [run["concurrency"] for run in result["runs"]] == [1, 2]
     for run in result["runs"]:
         assert run["num_ok"] == run["num_requests"] > 0, run["errors"]
