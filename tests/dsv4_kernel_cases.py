@@ -2,7 +2,7 @@
 
 Used by tests/test_dsv4_cpu_kernels.py in subprocesses (one vLLM import each):
 
-  python tests/dsv4_kernel_cases.py oracle  --out R.json [--oracle-dir D] [--impl PATH]
+  python tests/dsv4_kernel_cases.py oracle  --out R.json [--oracle-dir D]
       Triton interpreter (TRITON_INTERPRET=1, triton from D) runs every scenario, then the
       torch implementations (module at PATH) are registered through vLLM's dispatcher and
       the same scenarios run again; every output buffer is compared.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -29,8 +28,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.overlay import load_overlay_module
+
 REPO = Path(__file__).resolve().parents[1]
-IMPL_PATH = REPO / "overlay/vllm/v1/attention/ops/torch_metadata_kernels.py"
+IMPL_REL = "vllm/v1/attention/ops/torch_metadata_kernels.py"
 DEFAULT_ORACLE_DIR = REPO / ".cache/triton-oracle"
 
 # Family of each scenario output (the kernel whose launch writes it).
@@ -355,12 +356,9 @@ def run_all() -> dict[str, dict[str, str]]:
     return {b.name: run_batch(b) for b in batches()}
 
 
-def load_impl(path: Path = IMPL_PATH):
-    spec = importlib.util.spec_from_file_location("dsv4_torch_metadata_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+def load_impl():
+    """The overlay's torch metadata kernels, from this checkout."""
+    return load_overlay_module(IMPL_REL)
 
 
 def _install_interpreter(oracle_dir: Path) -> None:
@@ -391,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=["oracle", "overlay"])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--oracle-dir", type=Path, default=DEFAULT_ORACLE_DIR)
-    p.add_argument("--impl", type=Path, default=IMPL_PATH)
     a = p.parse_args(argv)
     report: dict = {"mode": a.mode}
     if a.mode == "oracle":
@@ -402,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         reference = run_all()
         t1 = time.perf_counter()
-        impl = load_impl(a.impl)
+        impl = load_impl()
         impl.register_torch_metadata_kernels()
         report["overridden"] = _overridden(impl.KERNEL_IMPLS)
         t2 = time.perf_counter()
