@@ -19,6 +19,7 @@ exits with status 2 and one line per problem, naming the key and what is allowed
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import shlex
@@ -43,8 +44,23 @@ DECODE_ROW_LIMITS: dict[str, int | None] = {
     "cpu": None,
 }
 
-# DSpark's packed prefill chunk cap (DESIGN section 6): one chunk never exceeds this.
-MAX_BATCHED_TOKENS = 8192
+
+
+def overlay_constant(rel_path: str, name: str) -> Any:
+    """A literal constant of an overlay module, read from its source (no torch on a host)."""
+    tree = ast.parse((REPO / "overlay" / rel_path).read_text())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"overlay/{rel_path} assigns no constant {name}")
+
+
+# DSpark's packed prefill cap: one engine step (chunk) never carries more tokens. The overlay
+# module that enforces it is the one source.
+MAX_BATCHED_TOKENS = overlay_constant(
+    "vllm/models/deepseek_v4/common/packed_prefill.py", "MAX_PACKED_TOKENS"
+)
 
 
 class RecipeError(ValueError):
