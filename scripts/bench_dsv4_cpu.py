@@ -89,46 +89,17 @@ def run_step(reqs: list[tuple[int, int]]) -> None:
     for _layer_type in range(3):
         t2r = compute_token_to_req_indices(qsl, torch.zeros(BUDGET, dtype=torch.int32), T, T)
         valid = slot >= 0
-        if ndt:
-            di = torch.zeros(BUDGET, 1, WINDOW, dtype=torch.int32)
-            dl = torch.zeros(BUDGET, dtype=torch.int32)
+        # decode rows (indices [BUDGET, 1, W]) then prefill rows (indices [rows, W])
+        for rows, offset, shape in ((ndt, 0, (BUDGET, 1, WINDOW)), (T - ndt, ndt, None)):
+            if rows <= 0:
+                continue
+            indices = torch.zeros(shape or (rows, WINDOW), dtype=torch.int32)
+            lens = torch.zeros(BUDGET if shape else rows, dtype=torch.int32)
             swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-                di,
-                dl,
-                WINDOW,
-                WINDOW,
-                dl,
-                dl,
-                qsl,
-                seq,
-                t2r,
-                valid,
-                bt,
-                BLOCK,
-                replay,
-                num_tokens=ndt,
-                token_offset=0,
+                indices, lens, WINDOW, WINDOW, lens, lens, qsl, seq, t2r, valid, bt, BLOCK, replay,
+                num_tokens=rows, token_offset=offset,
             )
         if T > ndt:
-            pi = torch.zeros(T - ndt, WINDOW, dtype=torch.int32)
-            pl = torch.zeros(T - ndt, dtype=torch.int32)
-            swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-                pi,
-                pl,
-                WINDOW,
-                WINDOW,
-                pl,
-                pl,
-                qsl,
-                seq,
-                t2r,
-                valid,
-                bt,
-                BLOCK,
-                replay,
-                num_tokens=T - ndt,
-                token_offset=ndt,
-            )
             g = torch.empty(R - nd, dtype=torch.int32)
             swa._COMPUTE_PREFILL_METADATA_KERNEL(g, seq, qsl, replay, R - nd, nd, WINDOW)
     for ratio in (4, 4, 128):
