@@ -13,6 +13,7 @@ import copy
 import json
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -639,47 +640,9 @@ def test_compare_bench_ratios(tmp_path, capsys):
 # /metrics parsing
 # ---------------------------------------------------------------------------------------
 
-VLLM_METRICS_SAMPLE = r"""# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 3.0
-vllm:num_requests_running{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 2.0
-# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 105.0
-vllm:spec_decode_num_drafts_total{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 1.05e2
-# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_created gauge
-vllm:spec_decode_num_drafts_created{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 1.7712e+09
-# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
-# TYPE vllm:spec_decode_num_draft_tokens_total counter
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 525.0
-vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 525.0
-# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
-# TYPE vllm:spec_decode_num_accepted_tokens_total counter
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 149.0
-vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 151.0
-# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
-# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="0"} 90.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="1"} 40.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="2"} 15.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="3"} 3.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="4"} 1.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 92.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 41.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 14.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="3",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 4.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="4",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 0.0
-# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 0.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 12.0
-vllm:time_to_first_token_seconds_sum{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 4.2
-http_requests_total{handler="/v1/completions",method="POST",status="2xx",note="a \"quoted\" \\ value"} 7.0
-process_start_time_seconds 1.7712e+09
-vllm:cache_config_info{block_size="256",cache_dtype="fp8_ds_mla",prefix_caching="True"} 1.0
-python_gc_objects_collected_total{generation="0"} NaN
-"""
+# A /metrics page of a two-engine vLLM server with speculative decoding (label orders vary,
+# escapes, NaN, exponents, histogram buckets).
+VLLM_METRICS_SAMPLE = (Path(__file__).parent / "fixtures" / "vllm_metrics_sample.txt").read_text()
 
 
 def test_parse_vllm_spec_decode_counters():

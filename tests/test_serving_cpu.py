@@ -29,15 +29,8 @@ def server(tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "serve.py"),
-                "--profile",
-                "cpu-tiny",
-                "--",
-                "--port",
-                str(port),
-            ],
+            [sys.executable, str(REPO / "scripts" / "serve.py"), "--profile", "cpu-tiny", "--",
+             "--port", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -69,16 +62,8 @@ def server(tmp_path_factory):
 
 def test_smoke_sees_speculative_decoding(server):
     result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "smoke.py"),
-            "--profile",
-            "cpu-tiny",
-            "--base-url",
-            server,
-            "--max-tokens",
-            "16",
-        ],
+        [sys.executable, str(REPO / "scripts" / "smoke.py"), "--profile", "cpu-tiny",
+         "--base-url", server, "--max-tokens", "16"],
         capture_output=True,
         text=True,
         timeout=300,
