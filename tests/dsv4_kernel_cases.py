@@ -196,22 +196,9 @@ def run_batch(b: Batch) -> dict:
     if ndt > 0:
         dec_lens[ndt:] = 0
         swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-            dec_idx,
-            dec_lens,
-            WINDOW,
-            dec_idx.shape[-1],
-            dec_lens,
-            dec_lens,
-            qsl,
-            seq,
-            t2r,
-            is_valid,
-            bt,
-            bs,
-            replay,
-            num_tokens=ndt,
-            token_offset=0,
-        )
+            dec_idx, dec_lens, WINDOW, dec_idx.shape[-1], dec_lens, dec_lens,
+            qsl, seq, t2r, is_valid, bt, bs, replay, num_tokens=ndt, token_offset=0,
+        )  # fmt: skip
     out["swa_indices_and_lens/decode_indices"] = dec_idx
     out["swa_indices_and_lens/decode_lens"] = dec_lens
     width = WINDOW + (64 if b.image else 0)
@@ -221,23 +208,11 @@ def run_batch(b: Batch) -> dict:
         n = max(npt, Tp - ndt)
         left, right = x["left"], x["right"]
         swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-            pre_idx[:n],
-            pre_lens[:n],
-            WINDOW,
-            width,
-            left if b.image else pre_lens[:n],
-            right if b.image else pre_lens[:n],
-            qsl,
-            seq,
-            t2r if R else torch.zeros(Tp, dtype=torch.int32),
-            is_valid,
-            bt,
-            bs,
-            replay,
-            num_tokens=n,
-            token_offset=ndt,
-            has_image=b.image,
-        )
+            pre_idx[:n], pre_lens[:n], WINDOW, width,
+            left if b.image else pre_lens[:n], right if b.image else pre_lens[:n],
+            qsl, seq, t2r if R else torch.zeros(Tp, dtype=torch.int32), is_valid, bt, bs,
+            replay, num_tokens=n, token_offset=ndt, has_image=b.image,
+        )  # fmt: skip
     out["swa_indices_and_lens/prefill_indices"] = pre_idx
     out["swa_indices_and_lens/prefill_lens"] = pre_lens
 
@@ -247,19 +222,9 @@ def run_batch(b: Batch) -> dict:
     nc_lens = torch.full((max_tokens,), 33, dtype=torch.int32)
     if T > 0:
         swa._COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL(
-            nc_idx,
-            nc_lens,
-            WINDOW,
-            nc_width,
-            qsl,
-            seq,
-            t2r,
-            is_valid,
-            bt,
-            bs,
-            num_tokens=T,
-            token_offset=0,
-        )
+            nc_idx, nc_lens, WINDOW, nc_width, qsl, seq, t2r, is_valid, bt, bs,
+            num_tokens=T, token_offset=0,
+        )  # fmt: skip
     out["dspark_noncausal_swa_indices/indices"] = nc_idx
     out["dspark_noncausal_swa_indices/lens"] = nc_lens
 
