@@ -59,7 +59,7 @@ model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/
 demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
 	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) scripts/demo.py --model $(TINY_MODEL)
 
-serve: setup model ## OpenAI-compatible server with the cpu-tiny profile (Ctrl-C stops)
+serve: setup model ## `vllm serve` with the cpu-tiny profile's arguments (Ctrl-C stops)
 	$(VLLM_CPU_ENV) $(PY) scripts/serve.py --profile $(PROFILE)
 
 test: setup $(TRITON_ORACLE)/.stamp ## set up, then run the whole test suite (CPU)
@@ -68,12 +68,14 @@ test: setup $(TRITON_ORACLE)/.stamp ## set up, then run the whole test suite (CP
 test-fast: setup ## the suite without the real-vLLM end-to-end tests
 	$(PY) -m pytest -m "not e2e"
 
-bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on the profile port
+bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep and `vllm bench serve` on the same load
 	$(PY) scripts/bench_ragged.py
 	$(PY) scripts/bench_packed_prefill.py
 	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^API_PORT=//p'); \
+	name=serving-$(PROFILE)-$$(date +%Y%m%d-%H%M%S); \
 	if curl -sf "http://127.0.0.1:$$port/health" >/dev/null; then \
-	  $(PY) scripts/bench_serving.py --base-url "http://127.0.0.1:$$port" --profile $(PROFILE) $(BENCH_ARGS) --plot; \
+	  $(PY) -m scripts.bench --base-url "http://127.0.0.1:$$port" --profile $(PROFILE) $(BENCH_ARGS) --plot --name $$name && \
+	  $(PY) -m scripts.bench.vllm_bench bench-results/$$name.json; \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
 
 lint: setup ## ruff, hadolint, shellcheck

@@ -193,7 +193,7 @@ prepare() {
     local nnodes=${R_NNODES:-1}
     local -a node_args=()
     if ((nnodes > 1)); then
-        NNODES_HINT=$nnodes "$PREFLIGHT" check-env --container \
+        "$PYTHON" "$RECIPE" check-env --container --nnodes "$nnodes" \
             || die "this node's variables are not usable (see above)" "fix them in docker/.env, then make up"
         node_args=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR")
     fi

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
 LENS = (1, 7, 130, 300)
 NEW_TOKENS = 10
@@ -89,46 +89,17 @@ def run_step(reqs: list[tuple[int, int]]) -> None:
     for _layer_type in range(3):
         t2r = compute_token_to_req_indices(qsl, torch.zeros(BUDGET, dtype=torch.int32), T, T)
         valid = slot >= 0
-        if ndt:
-            di = torch.zeros(BUDGET, 1, WINDOW, dtype=torch.int32)
-            dl = torch.zeros(BUDGET, dtype=torch.int32)
+        # decode rows (indices [BUDGET, 1, W]) then prefill rows (indices [rows, W])
+        for rows, offset, shape in ((ndt, 0, (BUDGET, 1, WINDOW)), (T - ndt, ndt, None)):
+            if rows <= 0:
+                continue
+            indices = torch.zeros(shape or (rows, WINDOW), dtype=torch.int32)
+            lens = torch.zeros(BUDGET if shape else rows, dtype=torch.int32)
             swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-                di,
-                dl,
-                WINDOW,
-                WINDOW,
-                dl,
-                dl,
-                qsl,
-                seq,
-                t2r,
-                valid,
-                bt,
-                BLOCK,
-                replay,
-                num_tokens=ndt,
-                token_offset=0,
+                indices, lens, WINDOW, WINDOW, lens, lens, qsl, seq, t2r, valid, bt, BLOCK, replay,
+                num_tokens=rows, token_offset=offset,
             )
         if T > ndt:
-            pi = torch.zeros(T - ndt, WINDOW, dtype=torch.int32)
-            pl = torch.zeros(T - ndt, dtype=torch.int32)
-            swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-                pi,
-                pl,
-                WINDOW,
-                WINDOW,
-                pl,
-                pl,
-                qsl,
-                seq,
-                t2r,
-                valid,
-                bt,
-                BLOCK,
-                replay,
-                num_tokens=T - ndt,
-                token_offset=ndt,
-            )
             g = torch.empty(R - nd, dtype=torch.int32)
             swa._COMPUTE_PREFILL_METADATA_KERNEL(g, seq, qsl, replay, R - nd, nd, WINDOW)
     for ratio in (4, 4, 128):
@@ -139,16 +110,24 @@ def run_step(reqs: list[tuple[int, int]]) -> None:
         idx.build_prefill_chunk_metadata(nd, R, qsl, qsl.clone(), seq, cseq, cseq.clone(), bt, 4)
 
 
+def _use_triton_interpreter() -> None:
+    """Let vLLM take the oracle's Triton (on PYTHONPATH, TRITON_INTERPRET=1) as a CPU driver."""
+    from triton.backends import Backend, backends
+
+    class _ActiveCpuDriver:  # vLLM's HAS_TRITON check asks for an active driver
+        is_active = staticmethod(lambda: True)
+
+    backends["cpu"] = Backend(compiler=None, driver=_ActiveCpuDriver)
+
+
 def _metadata_child(args) -> None:
     """Runs in a subprocess: time the replay with one implementation, print JSON."""
     if args.impl == "interpreter":
-        from dsv4_kernel_cases import _install_interpreter
-
-        _install_interpreter(args.oracle_dir)
+        _use_triton_interpreter()
     else:
-        from dsv4_kernel_cases import load_impl
+        from vllm.v1.attention.ops.torch_metadata_kernels import register_torch_metadata_kernels
 
-        load_impl().register_torch_metadata_kernels()
+        register_torch_metadata_kernels()
     steps = schedule()
     run_step(steps[0])  # imports and first-call costs out of the timing
     t = time.perf_counter()
@@ -168,21 +147,15 @@ def metadata(args) -> int:
         return 2
     results = {}
     for impl in ("interpreter", "torch"):
+        # the oracle's Triton is visible to the interpreter child only (never the product venv)
+        env = dict(os.environ, PYTHONPATH=str(args.oracle_dir), TRITON_INTERPRET="1")
         res = subprocess.run(
-            [
-                sys.executable,
-                "-W",
-                "ignore",
-                __file__,
-                "_metadata_child",
-                "--impl",
-                impl,
-                "--oracle-dir",
-                str(args.oracle_dir),
-            ],
+            [sys.executable, "-W", "ignore", __file__, "_metadata_child", "--impl", impl,
+             "--oracle-dir", str(args.oracle_dir)],
             capture_output=True,
             text=True,
             timeout=1800,
+            env=env if impl == "interpreter" else None,
         )
         if res.returncode != 0:
             print(res.stderr[-3000:], file=sys.stderr)
@@ -208,8 +181,6 @@ def generate(args) -> int:
             file=sys.stderr,
         )
         return 2
-    import dsv4_overlay_tree as tree
-
     model = args.model
     if not (model / "model.safetensors").is_file():
         subprocess.run(
@@ -222,28 +193,19 @@ def generate(args) -> int:
             ],
             check=True,
         )
+    # the e2e runner is a standalone program (run, not imported); it uses the venv's vLLM
+    # with the overlay that `make setup` applied
     runner = REPO / "tests/dsv4_e2e_runner.py"
     with tempfile.TemporaryDirectory() as tmp:
-        target = tree.pristine_vllm_tree(Path(tmp) / "vllm-tree")
-        tree.apply_overlay(target)
         rows = {}
         for impl in ("interpreter", "torch"):
             out = Path(tmp) / f"{impl}.json"
             extra = ["--interpreter", str(args.oracle_dir)] if impl == "interpreter" else []
             res = subprocess.run(
-                [
-                    sys.executable,
-                    "-W",
-                    "ignore",
-                    str(runner),
-                    str(model),
-                    "--out",
-                    str(out),
-                    *extra,
-                ],
+                [sys.executable, "-W", "ignore", str(runner), str(model), "--out", str(out),
+                 *extra],
                 capture_output=True,
                 text=True,
-                env=tree.subprocess_env(target),
                 timeout=3600,
             )
             if res.returncode != 0:

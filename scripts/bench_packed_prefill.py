@@ -19,35 +19,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_PATH = ROOT / "overlay/vllm/models/deepseek_v4/common/packed_prefill.py"
 OUT_DIR = ROOT / "bench-results"
 
 
-def load_module():
-    """Import the overlay file by path: no vLLM import needed."""
-    name = "_overlay_packed_prefill"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, MODULE_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pp = load_module()
+pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -357,9 +344,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 64, 1024, 4096])
-    parser.add_argument("--ownership-tokens", type=int, default=8192)
+    parser.add_argument("--ownership-tokens", type=int, default=pp.MAX_PACKED_TOKENS)
     parser.add_argument("--ownership-tp", type=int, default=2)
-    parser.add_argument("--ingest-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--ingest-tokens", type=int, nargs="+", default=[512, 2048, pp.MAX_PACKED_TOKENS])
     parser.add_argument("--ingest-requests", type=int, default=16)
     parser.add_argument("--taps", type=int, default=3, help="target layers tapped (DSV4: 3)")
     parser.add_argument("--hidden", type=int, default=512, help="scaled down from 4096")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 import platform
@@ -34,24 +33,17 @@ import time
 from pathlib import Path
 
 import torch
+from overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "bench-results"
-MAX_TOKENS = 8192  # the recipe's max_num_batched_tokens: one step carries at most this
 VERIFY_ROWS = 6  # anchor + 5 drafts
 
-
-def load_ragged():
-    """Load the overlay module by path: the overlay's ``vllm`` would clash with vLLM's."""
-    path = ROOT / "overlay/vllm/v1/spec_decode/dspark_ragged.py"
-    spec = importlib.util.spec_from_file_location("dspark_ragged", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dr = load_ragged()
+dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
+# One engine step carries at most the packed prefill cap (the overlay's constant, one source).
+MAX_TOKENS = load_overlay_module(
+    "vllm/models/deepseek_v4/common/packed_prefill.py"
+).MAX_PACKED_TOKENS
 
 
 # ---------------------------------------------------------------------------

@@ -1,22 +1,10 @@
 #!/usr/bin/env bash
-# Preflight for one DGX Spark node, run before `make up` (make up runs it for you).
-#
-#   scripts/preflight.sh [--env-file docker/.env] [--only CHECKS] [--skip CHECKS]
-#       Every check for this node's role (NODE_RANK in the env file: 0 head, 1 worker).
-#       CHECKS is a comma list of: env compose gpu image overlay cache rdma mtu head ports stale
-#       Prints PASS/WARN/FAIL per check; every FAIL says what to fix. Exit 1 on any FAIL.
-#   scripts/preflight.sh check-env [--env-file FILE] [--container]
-#       Only the format of the variables (--container: the ones the container sees, read
-#       from the environment; used by docker/entrypoint.sh).
-#   scripts/preflight.sh resolve-gid
-#       Print the RoCE v2 IPv4 GID index NCCL should use for NCCL_IB_HCA on
-#       NCCL_SOCKET_IFNAME (read from the environment). With NCCL_IB_GID_INDEX=auto it is
-#       resolved from sysfs, a number is verified, `nccl` prints nothing (NCCL picks).
-#       Used by docker/entrypoint.sh at every start: the index moves across reboots.
-#
-# Testing hooks: SYSFS_ROOT (default /sys) and PROC_ROOT (default /proc) point at fake trees;
-# nvidia-smi, docker and ping are looked up on PATH; PYTHON picks the interpreter used for the
-# recipe tool (default: the repo's .venv, else python3).
+# Preflight for one DGX Spark node, run before `make up` (make up runs it for you). The policy
+# (the .env schema, the model-cache check) lives in scripts/recipe.py subcommands, shared with
+# the container entrypoint; this script keeps the hardware probes (sysfs GIDs, MTU, GPU,
+# docker, ports). Testing hooks: SYSFS_ROOT (default /sys) and PROC_ROOT (default /proc) point
+# at fake trees; nvidia-smi, docker and ping are looked up on PATH; PYTHON picks the
+# interpreter for the recipe tool (default: the repo's .venv, else python3).
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -51,7 +39,23 @@ oneline() {
     done <<<"$1"
     printf '%s' "$joined"
 }
-usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() {
+    cat <<'EOF'
+Usage:
+  scripts/preflight.sh [--env-file docker/.env] [--only CHECKS] [--skip CHECKS]
+      Every check for this node's role (NODE_RANK in the env file: 0 head, 1 worker).
+      CHECKS is a comma list of: env compose gpu image overlay cache rdma mtu head ports stale
+      Prints PASS/WARN/FAIL per check; every FAIL says what to fix. Exit 1 on any FAIL.
+  scripts/preflight.sh check-env [--env-file FILE]
+      Only the format of the variables in the env file (scripts/recipe.py check-env).
+  scripts/preflight.sh resolve-gid
+      Print the RoCE v2 IPv4 GID index NCCL should use for NCCL_IB_HCA on NCCL_SOCKET_IFNAME
+      (read from the environment). With NCCL_IB_GID_INDEX=auto it is resolved from sysfs, a
+      number is verified, `nccl` prints nothing (NCCL picks). docker/entrypoint.sh runs it at
+      every start: the index moves across reboots.
+Needs python3 with PyYAML on the host (sudo apt install python3-yaml).
+EOF
+}
 
 # sread VAR FILE: first line of a (sysfs) file into VAR; fails quietly (no fork, so it is
 # cheap enough for GID tables with hundreds of entries).
@@ -59,165 +63,6 @@ sread() {
     local -n _sread_out=$1
     _sread_out=""
     { IFS= read -r _sread_out || [[ -n $_sread_out ]]; } 2>/dev/null <"$2"
-}
-
-# ---------------------------------------------------------------------------------------
-# .env loading (parsed, never sourced; the shell environment wins, as in docker compose)
-# ---------------------------------------------------------------------------------------
-load_env_file() {
-    local file=$1 line key val n=0 bad=0
-    if [[ ! -f $file ]]; then
-        fail env "$file not found" \
-            "cp docker/.env.example docker/.env on each node and fill it in (NODE_RANK=0 on the head, 1 on the worker)"
-        return 1
-    fi
-    if grep -q $'\r' "$file"; then
-        fail env "$file has Windows (CRLF) line endings; values would end in a carriage return" \
-            "sed -i 's/\\r\$//' $file"
-        return 1
-    fi
-    while IFS= read -r line || [[ -n $line ]]; do
-        n=$((n + 1))
-        line=${line#$'\xef\xbb\xbf'}
-        [[ $line =~ ^[[:space:]]*(#.*)?$ ]] && continue
-        if [[ $line =~ ^[[:space:]]*(export[[:space:]]+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]]; then
-            key=${BASH_REMATCH[2]}
-            val=${BASH_REMATCH[3]}
-            if [[ $val =~ ^\"(.*)\"[[:space:]]*(#.*)?$ ]] || [[ $val =~ ^\'(.*)\'[[:space:]]*(#.*)?$ ]]; then
-                val=${BASH_REMATCH[1]}
-            else
-                [[ $val =~ ^(.*[^[:space:]])?[[:space:]]+#.*$ ]] && val=${BASH_REMATCH[1]}
-                val=${val%"${val##*[![:space:]]}"}
-            fi
-            [[ -n ${!key+x} ]] || export "$key=$val"
-        else
-            fail env "$file line $n is not KEY=value: $line" "fix or remove that line"
-            bad=1
-        fi
-    done <"$file"
-    return "$bad"
-}
-
-# ---------------------------------------------------------------------------------------
-# Variable formats (shared with the container entrypoint through `check-env --container`)
-# ---------------------------------------------------------------------------------------
-is_ipv4() {
-    local ip=$1 o
-    [[ $ip =~ ^([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})$ ]] || return 1
-    for o in "${BASH_REMATCH[@]:1}"; do ((10#$o <= 255)) || return 1; done
-}
-IFNAME_RE='^[A-Za-z0-9_.-]{1,15}$'
-HCA_ITEM_RE='[A-Za-z0-9_.-]+(:[0-9]+)?'
-HCA_RE="^\\^?=?${HCA_ITEM_RE}(,${HCA_ITEM_RE})*\$"
-
-# need VAR FIX: fail when VAR is unset or empty (the same sentence compose prints).
-need() {
-    local name=$1 fix=$2
-    if [[ -z ${!name:-} ]]; then
-        fail env "$name is not set" "$fix"
-        return 1
-    fi
-}
-
-check_ipv4_var() {
-    local name=$1 what=$2 val=${!1:-}
-    [[ -z $val ]] && return 1
-    if ! is_ipv4 "$val"; then
-        fail env "$name='$val' is not an IPv4 address" "set $name to $what (dotted IPv4, e.g. 192.168.100.10; no hostnames, no IPv6)"
-        return 1
-    fi
-    if [[ $val == 127.* || $val == 0.0.0.0 ]]; then
-        fail env "$name='$val' is a loopback/unspecified address" "set $name to $what; the other node must be able to reach it"
-        return 1
-    fi
-}
-
-# check_vars MODE: MODE=host (the .env on the host) or container (what compose passes in).
-check_vars() {
-    local mode=$1 ok=1 nnodes=${NNODES_HINT:-2}
-    need NODE_RANK "set NODE_RANK=0 on the head node and NODE_RANK=1 on the worker" || ok=0
-    need MASTER_ADDR "set MASTER_ADDR to the head node's fabric (RoCE) IPv4 address, the same on both nodes" || ok=0
-    need VLLM_HOST_IP "set VLLM_HOST_IP to this node's fabric (RoCE) IPv4 address" || ok=0
-    need NCCL_SOCKET_IFNAME "set NCCL_SOCKET_IFNAME to this node's fabric interface (ibdev2netdev lists them, e.g. enp1s0f0np0)" || ok=0
-    need NCCL_IB_HCA "set NCCL_IB_HCA to this node's RoCE HCAs, e.g. =rocep1s0f0,roceP2p1s0f0 (ibdev2netdev)" || ok=0
-    if [[ $mode == host ]]; then
-        need MODEL_CACHE_DIR "set MODEL_CACHE_DIR to the host directory used as HF_HOME (it contains hub/), e.g. /home/you/.cache/huggingface" || ok=0
-    fi
-
-    if [[ -n ${NODE_RANK:-} ]] && ! { [[ $NODE_RANK =~ ^[0-9]+$ ]] && ((10#$NODE_RANK < nnodes)); }; then
-        fail env "NODE_RANK='$NODE_RANK' is not a node rank of this $nnodes-node profile" \
-            "set NODE_RANK=0 on the head and NODE_RANK=1 on the worker"
-        ok=0
-    fi
-    check_ipv4_var MASTER_ADDR "the head node's fabric (RoCE) IPv4 address" || { [[ -n ${MASTER_ADDR:-} ]] && ok=0; }
-    check_ipv4_var VLLM_HOST_IP "this node's fabric (RoCE) IPv4 address" || { [[ -n ${VLLM_HOST_IP:-} ]] && ok=0; }
-    if [[ ${NODE_RANK:-} == 0 && -n ${MASTER_ADDR:-} && -n ${VLLM_HOST_IP:-} && $MASTER_ADDR != "$VLLM_HOST_IP" ]]; then
-        fail env "on the head (NODE_RANK=0) MASTER_ADDR=$MASTER_ADDR must be this node's own address, but VLLM_HOST_IP=$VLLM_HOST_IP" \
-            "use the head's fabric IP for both MASTER_ADDR and VLLM_HOST_IP here"
-        ok=0
-    fi
-    if [[ ${NODE_RANK:-} =~ ^[1-9][0-9]*$ && -n ${MASTER_ADDR:-} && $MASTER_ADDR == "${VLLM_HOST_IP:-}" ]]; then
-        fail env "on a worker MASTER_ADDR ($MASTER_ADDR) must be the head's address, not this node's (VLLM_HOST_IP)" \
-            "set MASTER_ADDR to the head's fabric IP and VLLM_HOST_IP to this node's"
-        ok=0
-    fi
-    local name
-    for name in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME; do
-        if [[ -n ${!name:-} && ! ${!name} =~ $IFNAME_RE ]]; then
-            fail env "$name='${!name}' is not one interface name" \
-                "set $name to a single interface name such as enp1s0f0np0 (no lists, no ^/= prefixes)"
-            ok=0
-        fi
-    done
-    if [[ -n ${NCCL_IB_HCA:-} && ! $NCCL_IB_HCA =~ $HCA_RE ]]; then
-        fail env "NCCL_IB_HCA='$NCCL_IB_HCA' is not an NCCL HCA list" \
-            "use NCCL's form: [^][=]name[:port][,name[:port]...], e.g. =rocep1s0f0,roceP2p1s0f0"
-        ok=0
-    fi
-    local gid=${NCCL_IB_GID_INDEX:-auto}
-    if ! [[ $gid == auto || $gid == nccl ]] && ! { [[ $gid =~ ^[0-9]{1,3}$ ]] && ((10#$gid <= 255)); }; then
-        fail env "NCCL_IB_GID_INDEX='$gid' is not auto, nccl or an index 0-255" \
-            "set NCCL_IB_GID_INDEX=auto (resolved from sysfs at every start; the index moves across reboots)"
-        ok=0
-    fi
-    if [[ -n ${HEAD_WAIT_TIMEOUT_S:-} && ! $HEAD_WAIT_TIMEOUT_S =~ ^[0-9]+$ ]]; then
-        fail env "HEAD_WAIT_TIMEOUT_S='$HEAD_WAIT_TIMEOUT_S' is not a number of seconds" "e.g. HEAD_WAIT_TIMEOUT_S=900"
-        ok=0
-    fi
-    if [[ $mode == host ]]; then
-        if [[ -n ${MODEL_CACHE_DIR:-} && $MODEL_CACHE_DIR != /* ]]; then
-            fail env "MODEL_CACHE_DIR='$MODEL_CACHE_DIR' is not an absolute path" "use an absolute host path, e.g. /home/you/.cache/huggingface"
-            ok=0
-        fi
-        if [[ -n ${SHM_SIZE:-} && ! ${SHM_SIZE,,} =~ ^[0-9]+(b|k|m|g|kb|mb|gb)?$ ]]; then
-            fail env "SHM_SIZE='$SHM_SIZE' is not a size" "e.g. SHM_SIZE=64gb"
-            ok=0
-        fi
-        if [[ -n ${RESTART_POLICY:-} && ! $RESTART_POLICY =~ ^(no|always|unless-stopped|on-failure(:[0-9]+)?)$ ]]; then
-            fail env "RESTART_POLICY='$RESTART_POLICY' is not a Docker restart policy" "use unless-stopped (default), on-failure, always or no"
-            ok=0
-        fi
-        if [[ -n ${STOP_GRACE_PERIOD:-} && ! $STOP_GRACE_PERIOD =~ ^([0-9]+(\.[0-9]+)?(us|ms|s|m|h))+$ ]]; then
-            fail env "STOP_GRACE_PERIOD='$STOP_GRACE_PERIOD' is not a duration" "e.g. STOP_GRACE_PERIOD=30s"
-            ok=0
-        fi
-        if [[ -n ${HEALTH_START_PERIOD:-} && ! $HEALTH_START_PERIOD =~ ^([0-9]+(\.[0-9]+)?(us|ms|s|m|h))+$ ]]; then
-            fail env "HEALTH_START_PERIOD='$HEALTH_START_PERIOD' is not a duration" "e.g. HEALTH_START_PERIOD=45m"
-            ok=0
-        fi
-        for name in CONTAINER_UID CONTAINER_GID; do
-            if [[ -n ${!name:-} && ! ${!name} =~ ^[0-9]+$ ]]; then
-                fail env "$name='${!name}' is not a numeric id" "use the numeric id that owns MODEL_CACHE_DIR (id -u / id -g)"
-                ok=0
-            fi
-        done
-        if [[ -n ${DSPARK_IMAGE:-} && ($DSPARK_IMAGE == *@* || $DSPARK_IMAGE =~ [[:space:]]) ]]; then
-            fail env "DSPARK_IMAGE='$DSPARK_IMAGE' must be a plain name:tag (make image tags it; a digest cannot be a build tag)" \
-                "e.g. DSPARK_IMAGE=dspark-vllm:local"
-            ok=0
-        fi
-    fi
-    ((ok))
 }
 
 # ---------------------------------------------------------------------------------------
@@ -234,16 +79,49 @@ pick_python() {
     fi
 }
 
-# recipe ARGS...: scripts/recipe.py on the host (needs PyYAML), else the copy in the image.
+# recipe ARGS...: scripts/recipe.py with the host's Python (it reads the recipe and the .env).
 recipe() {
-    if "$PY" -c 'import yaml' 2>/dev/null; then
-        "$PY" "$REPO/scripts/recipe.py" "$@"
-    elif command -v docker >/dev/null 2>&1 && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-        docker run --rm --network none --entrypoint python3 "$IMAGE" /opt/dspark/scripts/recipe.py "$@"
-    else
-        echo "neither '$PY' with PyYAML (sudo apt install python3-yaml) nor the image $IMAGE is available to read the recipe" >&2
+    if ! "$PY" -c 'import yaml' 2>/dev/null; then
+        echo "'$PY' cannot import yaml: install PyYAML (sudo apt install python3-yaml)" >&2
         return 2
     fi
+    "$PY" "$REPO/scripts/recipe.py" "$@"
+}
+
+# report TEXT: print recipe.py's PASS/WARN/FAIL lines and count them.
+report() {
+    local line
+    while IFS= read -r line; do
+        [[ -n $line ]] || continue
+        printf '%s\n' "$line"
+        case $line in
+            FAIL*) FAILS=$((FAILS + 1)) ;;
+            WARN*) WARNS=$((WARNS + 1)) ;;
+        esac
+    done <<<"$1"
+}
+
+# load_env_file FILE: export the file's variables that the environment does not set (parsed
+# by recipe.py with docker compose's rules, never sourced).
+load_env_file() {
+    local out
+    if ! out=$(recipe env-file "$1" 2>&1); then
+        [[ $out == *FAIL* ]] || out="FAIL  env      cannot read $1: $out"
+        report "$out"
+        return 1
+    fi
+    eval "$out"
+}
+
+# check_vars MODE: the variables' formats (recipe.py check-env); MODE host or container.
+check_vars() {
+    local out rc
+    local -a flags=(--nnodes "${NNODES_HINT:-2}")
+    [[ $1 == container ]] && flags+=(--container)
+    out=$(recipe check-env "${flags[@]}" 2>&1)
+    rc=$?
+    report "$out"
+    return "$rc"
 }
 
 load_profile() {
@@ -570,73 +448,10 @@ check_overlay() {
 }
 
 check_cache() {
-    local id=${P_MODEL_ID:-} rev=${P_MODEL_REVISION:-} repo snap hash out
-    [[ -d $MODEL_CACHE_DIR ]] || {
-        fail cache "MODEL_CACHE_DIR=$MODEL_CACHE_DIR does not exist" "create it and download the model into it (see README: Running on two Sparks)"
-        return
-    }
-    if [[ $id == /* ]]; then
-        snap=$id
-    else
-        repo="$MODEL_CACHE_DIR/hub/models--${id//\//--}"
-        if [[ ! -d $repo ]]; then
-            fail cache "$id is not in the model cache ($repo missing)" \
-                "download it on this node: docker run --rm -u \$(id -u):\$(id -g) -e HF_HOME=/cache -v $MODEL_CACHE_DIR:/cache --entrypoint hf $IMAGE download $id --revision $rev" \
-                "or copy $repo from the other node (rsync -a over the fabric link)"
-            return
-        fi
-        if [[ $rev =~ ^[0-9a-f]{40}$ ]]; then
-            hash=$rev
-        elif ! sread hash "$repo/refs/$rev" || [[ -z $hash ]]; then
-            fail cache "$id has no revision '$rev' in the cache ($repo/refs/$rev missing)" \
-                "download that revision: docker run --rm -u \$(id -u):\$(id -g) -e HF_HOME=/cache -v $MODEL_CACHE_DIR:/cache --entrypoint hf $IMAGE download $id --revision $rev"
-            return
-        fi
-        snap="$repo/snapshots/$hash"
-    fi
-    if ! out=$("$PY" - "$snap" "$MODEL_CACHE_DIR/hub/models--${id//\//--}/blobs" <<'PY' 2>&1
-import json, os, sys
-snap, blobs = sys.argv[1], sys.argv[2]
-problems = []
-if not os.path.isdir(snap):
-    print(f"snapshot {snap} is missing"); sys.exit(1)
-if not os.path.isfile(os.path.join(snap, "config.json")):
-    problems.append("config.json is missing")
-index = os.path.join(snap, "model.safetensors.index.json")
-if os.path.isfile(index):
-    try:
-        shards = sorted(set(json.load(open(index))["weight_map"].values()))
-    except (ValueError, KeyError) as exc:
-        print(f"model.safetensors.index.json is unreadable ({exc})"); sys.exit(1)
-else:
-    shards = sorted(f for f in os.listdir(snap) if f.endswith(".safetensors"))
-    if not shards:
-        problems.append("no *.safetensors weights")
-missing = [s for s in shards if not os.path.isfile(os.path.join(snap, s))]
-if missing:
-    problems.append(f"{len(missing)} of {len(shards)} weight shards missing or dangling (first: {missing[0]})")
-if os.path.isdir(blobs):
-    partial = [f for f in os.listdir(blobs) if f.endswith(".incomplete")]
-    if partial:
-        problems.append(f"{len(partial)} unfinished downloads (*.incomplete) in {blobs}")
-if problems:
-    print("; ".join(problems)); sys.exit(1)
-print(f"{len(shards)} weight shards present")
-PY
-    ); then
-        fail cache "model cache for $id@$rev is incomplete: $out" \
-            "finish the download on this node: docker run --rm -u \$(id -u):\$(id -g) -e HF_HOME=/cache -v $MODEL_CACHE_DIR:/cache --entrypoint hf $IMAGE download $id --revision $rev"
-        return
-    fi
-    pass cache "$id@$rev in $MODEL_CACHE_DIR: $out"
-    if [[ $rev == main ]]; then
-        warn cache "the profile serves revision 'main' of $id: pin a commit hash in the profile's model.revision so both nodes and every restart load the same weights"
-    fi
-    local owner
-    owner=$(stat -c %u "$MODEL_CACHE_DIR" 2>/dev/null)
-    if [[ -n $owner && $owner != "${CONTAINER_UID:-1000}" && ! -w $MODEL_CACHE_DIR ]]; then
-        warn cache "$MODEL_CACHE_DIR is owned by uid $owner but the container runs as ${CONTAINER_UID:-1000}: set CONTAINER_UID/CONTAINER_GID in docker/.env"
-    fi
+    local out
+    out=$(recipe check-cache "$PROFILE" --cache-dir "$MODEL_CACHE_DIR" --image "$IMAGE" \
+        --container-uid "${CONTAINER_UID:-1000}" 2>&1)
+    report "$out"
 }
 
 check_rdma() {
@@ -757,21 +572,14 @@ check_stale() {
 # Entry points
 # ---------------------------------------------------------------------------------------
 run_check_env() {
-    local mode=host env_file="$REPO/docker/.env" from_env=0
+    local env_file="$REPO/docker/.env"
     while (($#)); do
         case $1 in
             --env-file) env_file=$2; shift 2 ;;
-            --container) mode=container; from_env=1; shift ;;
-            --environment) from_env=1; shift ;;
             *) echo "check-env: unknown argument $1" >&2; return 2 ;;
         esac
     done
-    if ((!from_env)); then load_env_file "$env_file" || return 1; fi
-    if check_vars "$mode"; then
-        pass env "variables are well-formed (${mode})"
-        return 0
-    fi
-    return 1
+    load_env_file "$env_file" && check_vars host
 }
 
 run_resolve_gid() {
@@ -819,7 +627,7 @@ main() {
     local needs_profile=0
     for c in env cache ports image; do want "$c" && needs_profile=1; done
     if ((needs_profile)); then load_profile; fi
-    if want env; then check_vars host && pass env "variables are well-formed ($role)"; fi
+    want env && check_vars host
     want compose && check_compose
     want gpu && check_gpu
     want image && check_image

@@ -8,6 +8,9 @@ is written once and checked once. Usage:
     python scripts/recipe.py validate PROFILE
     python scripts/recipe.py render PROFILE --as argv|env|compose-env [--node-rank N --master-addr A]
     python scripts/recipe.py pins --as make|env
+    python scripts/recipe.py env-file FILE           node .env -> `export` lines (never sourced)
+    python scripts/recipe.py check-env [--container] [--nnodes N]   the node variables
+    python scripts/recipe.py check-cache PROFILE --cache-dir DIR     model complete in the cache
 
 PROFILE is a name from recipe/profiles/ (``spark-2x``) or a path to a YAML file. Bad input
 exits with status 2 and one line per problem, naming the key and what is allowed.
@@ -16,6 +19,7 @@ exits with status 2 and one line per problem, naming the key and what is allowed
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import shlex
@@ -40,8 +44,23 @@ DECODE_ROW_LIMITS: dict[str, int | None] = {
     "cpu": None,
 }
 
-# DSpark's packed prefill chunk cap (DESIGN section 6): one chunk never exceeds this.
-MAX_BATCHED_TOKENS = 8192
+
+
+def overlay_constant(rel_path: str, name: str) -> Any:
+    """A literal constant of an overlay module, read from its source (no torch on a host)."""
+    tree = ast.parse((REPO / "overlay" / rel_path).read_text())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"overlay/{rel_path} assigns no constant {name}")
+
+
+# DSpark's packed prefill cap: one engine step (chunk) never carries more tokens. The overlay
+# module that enforces it is the one source.
+MAX_BATCHED_TOKENS = overlay_constant(
+    "vllm/models/deepseek_v4/common/packed_prefill.py", "MAX_PACKED_TOKENS"
+)
 
 
 class RecipeError(ValueError):
@@ -381,6 +400,34 @@ def _print_vars(values: dict[str, str], style: str) -> None:
             print(f"{key}={value}")
 
 
+def _node_command(args: argparse.Namespace) -> int:
+    """Node policy (scripts/node/), shared by preflight.sh and the container entrypoint."""
+    import os
+
+    from node import cache, env  # run as a file: scripts/ is first on sys.path
+    from node.report import Report
+
+    report = Report()
+    if args.cmd == "env-file":
+        values = env.parse_env_file(args.file, report)
+        if values is not None:
+            print(env.exports(values, os.environ), end="")
+    elif args.cmd == "check-env":
+        mode = "container" if args.container else "host"
+        if env.check(os.environ, mode, args.nnodes, report):
+            role = "head" if os.environ.get("NODE_RANK") == "0" else "worker"
+            report.passed("env", f"variables are well-formed ({mode if args.container else role})")
+    else:
+        try:
+            profile = load_profile(args.profile)
+        except RecipeError as exc:
+            report.fail("cache", f"profile {args.profile!r}: {exc}", "fix the profile")
+            return report.exit_code
+        cache.check(args.cache_dir, model_ref(profile), profile["model"]["revision"], args.image,
+                    args.container_uid, report)
+    return report.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -394,7 +441,19 @@ def main(argv: list[str] | None = None) -> int:
     p_ren.add_argument("--master-addr")
     p_pins = sub.add_parser("pins", help="print the pins as variables")
     p_pins.add_argument("--as", dest="style", default="env", choices=("env", "make"))
+    p_file = sub.add_parser("env-file", help="print a node .env file as export lines")
+    p_file.add_argument("file", type=Path)
+    p_env = sub.add_parser("check-env", help="check the node variables in the environment")
+    p_env.add_argument("--container", action="store_true", help="what the container sees")
+    p_env.add_argument("--nnodes", type=int, default=2, help="nodes of the profile")
+    p_cache = sub.add_parser("check-cache", help="is the profile's model complete in a cache")
+    p_cache.add_argument("profile")
+    p_cache.add_argument("--cache-dir", type=Path, required=True, help="HF_HOME (has hub/)")
+    p_cache.add_argument("--image", default="dspark-vllm:local", help="named in the fixes")
+    p_cache.add_argument("--container-uid", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.cmd in ("env-file", "check-env", "check-cache"):
+        return _node_command(args)
     try:
         if args.cmd == "validate":
             names = list_profiles() if args.all else [args.profile]

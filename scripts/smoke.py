@@ -21,11 +21,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_metrics import spec_decode_counters, spec_decode_delta  # noqa: E402
+# Run as a file, so this folder is first on sys.path: the bench package and recipe.py
+# are importable by their plain names (bench.prometheus is standard library only).
+from bench.prometheus import spec_decode_counters, spec_decode_delta
 
 PROMPT = "List the first ten prime numbers, separated by commas."
 

@@ -6,7 +6,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -17,8 +16,6 @@ SCRIPTS = REPO / "scripts"
 CACHE = REPO / ".cache"
 VENV_PY = REPO / ".venv" / "bin" / "python"
 SDIST_NAME = "vllm-0.32.0"
-
-sys.path.insert(0, str(SCRIPTS))
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
+
+from support.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = None) -> Path:

@@ -2,7 +2,7 @@
 
 Used by tests/test_dsv4_cpu_kernels.py in subprocesses (one vLLM import each):
 
-  python tests/dsv4_kernel_cases.py oracle  --out R.json [--oracle-dir D] [--impl PATH]
+  python tests/dsv4_kernel_cases.py oracle  --out R.json [--oracle-dir D]
       Triton interpreter (TRITON_INTERPRET=1, triton from D) runs every scenario, then the
       torch implementations (module at PATH) are registered through vLLM's dispatcher and
       the same scenarios run again; every output buffer is compared.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -29,8 +28,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.overlay import load_overlay_module
+
 REPO = Path(__file__).resolve().parents[1]
-IMPL_PATH = REPO / "overlay/vllm/v1/attention/ops/torch_metadata_kernels.py"
+IMPL_REL = "vllm/v1/attention/ops/torch_metadata_kernels.py"
 DEFAULT_ORACLE_DIR = REPO / ".cache/triton-oracle"
 
 # Family of each scenario output (the kernel whose launch writes it).
@@ -195,22 +196,9 @@ def run_batch(b: Batch) -> dict:
     if ndt > 0:
         dec_lens[ndt:] = 0
         swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-            dec_idx,
-            dec_lens,
-            WINDOW,
-            dec_idx.shape[-1],
-            dec_lens,
-            dec_lens,
-            qsl,
-            seq,
-            t2r,
-            is_valid,
-            bt,
-            bs,
-            replay,
-            num_tokens=ndt,
-            token_offset=0,
-        )
+            dec_idx, dec_lens, WINDOW, dec_idx.shape[-1], dec_lens, dec_lens,
+            qsl, seq, t2r, is_valid, bt, bs, replay, num_tokens=ndt, token_offset=0,
+        )  # fmt: skip
     out["swa_indices_and_lens/decode_indices"] = dec_idx
     out["swa_indices_and_lens/decode_lens"] = dec_lens
     width = WINDOW + (64 if b.image else 0)
@@ -220,23 +208,11 @@ def run_batch(b: Batch) -> dict:
         n = max(npt, Tp - ndt)
         left, right = x["left"], x["right"]
         swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL(
-            pre_idx[:n],
-            pre_lens[:n],
-            WINDOW,
-            width,
-            left if b.image else pre_lens[:n],
-            right if b.image else pre_lens[:n],
-            qsl,
-            seq,
-            t2r if R else torch.zeros(Tp, dtype=torch.int32),
-            is_valid,
-            bt,
-            bs,
-            replay,
-            num_tokens=n,
-            token_offset=ndt,
-            has_image=b.image,
-        )
+            pre_idx[:n], pre_lens[:n], WINDOW, width,
+            left if b.image else pre_lens[:n], right if b.image else pre_lens[:n],
+            qsl, seq, t2r if R else torch.zeros(Tp, dtype=torch.int32), is_valid, bt, bs,
+            replay, num_tokens=n, token_offset=ndt, has_image=b.image,
+        )  # fmt: skip
     out["swa_indices_and_lens/prefill_indices"] = pre_idx
     out["swa_indices_and_lens/prefill_lens"] = pre_lens
 
@@ -246,19 +222,9 @@ def run_batch(b: Batch) -> dict:
     nc_lens = torch.full((max_tokens,), 33, dtype=torch.int32)
     if T > 0:
         swa._COMPUTE_DSPARK_NONCAUSAL_SWA_INDICES_KERNEL(
-            nc_idx,
-            nc_lens,
-            WINDOW,
-            nc_width,
-            qsl,
-            seq,
-            t2r,
-            is_valid,
-            bt,
-            bs,
-            num_tokens=T,
-            token_offset=0,
-        )
+            nc_idx, nc_lens, WINDOW, nc_width, qsl, seq, t2r, is_valid, bt, bs,
+            num_tokens=T, token_offset=0,
+        )  # fmt: skip
     out["dspark_noncausal_swa_indices/indices"] = nc_idx
     out["dspark_noncausal_swa_indices/lens"] = nc_lens
 
@@ -355,12 +321,9 @@ def run_all() -> dict[str, dict[str, str]]:
     return {b.name: run_batch(b) for b in batches()}
 
 
-def load_impl(path: Path = IMPL_PATH):
-    spec = importlib.util.spec_from_file_location("dsv4_torch_metadata_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+def load_impl():
+    """The overlay's torch metadata kernels, from this checkout."""
+    return load_overlay_module(IMPL_REL)
 
 
 def _install_interpreter(oracle_dir: Path) -> None:
@@ -391,7 +354,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=["oracle", "overlay"])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--oracle-dir", type=Path, default=DEFAULT_ORACLE_DIR)
-    p.add_argument("--impl", type=Path, default=IMPL_PATH)
     a = p.parse_args(argv)
     report: dict = {"mode": a.mode}
     if a.mode == "oracle":
@@ -402,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         reference = run_all()
         t1 = time.perf_counter()
-        impl = load_impl(a.impl)
+        impl = load_impl()
         impl.register_torch_metadata_kernels()
         report["overridden"] = _overridden(impl.KERNEL_IMPLS)
         t2 = time.perf_counter()

@@ -92,8 +92,9 @@ def subprocess_env(tree: Path | None) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("TRITON_INTERPRET", "PYTHONPATH") and not k.startswith("PYTEST_")
     }
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
+    # scripts/ for the overlay loader (tests/support/overlay.py); `tree` first when given
+    trees = [str(tree)] if tree is not None else []
+    env["PYTHONPATH"] = os.pathsep.join([*trees, str(REPO / "scripts")])
     env.update(
         HF_HUB_OFFLINE="1",
         VLLM_CPU_KVCACHE_SPACE="1",

@@ -12,19 +12,15 @@ import asyncio
 import copy
 import json
 import socket
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import bench_metrics  # noqa: E402
-import bench_serving  # noqa: E402
-import compare_bench  # noqa: E402
+from scripts.bench import __main__ as bench_cli
+from scripts.bench import compare, prometheus, schema, stats
+from scripts.bench.sweep import run_sweep
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -250,7 +246,7 @@ def sweep(fake: FakeServer, **kw):
         request_timeout=10.0,
     )
     args.update(kw)
-    return bench_metrics.validate_result(bench_serving.run_sweep(fake.url, **args))
+    return schema.validate_result(run_sweep(fake.url, **args))
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,10 +416,10 @@ def test_every_request_failing_still_produces_a_valid_result(fake, tmp_path, cap
     argv = ["--base-url", fake.url, "--concurrency", "2", "--prompt-lens", "30"]
     argv += ["--output-len", "4", "--rounds", "1", "--warmup", "1", "--out-dir", str(tmp_path)]
     argv += ["--name", "allfail", "--no-progress"]
-    assert bench_serving.main(argv) == 1
+    assert bench_cli.main(argv) == 1
     assert "all 2 requests failed" in capsys.readouterr().err
     data = json.loads((tmp_path / "allfail.json").read_text())
-    bench_metrics.validate_result(data)
+    schema.validate_result(data)
     run = data["runs"][0]
     assert run["errors"] == {"http_error": 2} and run["ttft_s"] is None
     assert run["output_tok_s"] is None and data["warmup"]["num_ok"] == 0
@@ -433,7 +429,7 @@ def test_unreachable_server_exits_nonzero_with_message(capsys, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = bench_serving.main(
+    code = bench_cli.main(
         ["--base-url", f"http://127.0.0.1:{port}", "--out-dir", str(tmp_path)]
     )
     err = capsys.readouterr().err
@@ -444,7 +440,7 @@ def test_unreachable_server_exits_nonzero_with_message(capsys, tmp_path):
 
 def test_prompt_longer_than_max_model_len_is_refused(fake, capsys, tmp_path):
     argv = ["--base-url", fake.url + "/v1", "--prompt-lens", "4090", "--output-len", "16"]
-    assert bench_serving.main(argv + ["--out-dir", str(tmp_path)]) == 2
+    assert bench_cli.main(argv + ["--out-dir", str(tmp_path)]) == 2
     assert "max_model_len 4096" in capsys.readouterr().err
     assert fake.arrivals == 0
 
@@ -453,7 +449,7 @@ def test_default_prompt_lengths_that_do_not_fit_are_skipped(fake, capsys, tmp_pa
     fake.max_model_len = 600
     argv = ["--base-url", fake.url, "--concurrency", "1", "--output-len", "17", "--rounds", "1"]
     argv += ["--warmup", "0", "--out-dir", str(tmp_path), "--name", "fit", "--no-progress"]
-    assert bench_serving.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     assert "skipping default prompt lengths [2048]" in capsys.readouterr().err
     data = json.loads((tmp_path / "fit.json").read_text())
     assert data["config"]["prompt_lens"] == [256] and data["config"]["skipped_prompt_lens"] == [
@@ -472,10 +468,10 @@ def test_cli_writes_json_markdown_and_plots(fake, tmp_path, capsys):
     argv += ["--output-len", "5", "--rounds", "1", "--warmup", "1", "--out-dir", str(tmp_path)]
     argv += ["--name", "cli", "--plot", "--profile", "cpu-tiny", "--run-id", "abc", "--no-progress"]
     argv += ["--note", "fake run"]
-    assert bench_serving.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     out = capsys.readouterr().out
     data = json.loads((tmp_path / "cli.json").read_text())
-    bench_metrics.validate_result(data)
+    schema.validate_result(data)
     assert data["recipe"]["profile"] == "cpu-tiny" and data["recipe"]["profile_source"] == "cli"
     assert data["recipe"]["profile_config"]["name"] == "cpu-tiny"
     assert data["recipe"]["pins"]["vllm"]["version"] == "0.32.0"
@@ -497,7 +493,7 @@ def test_cli_writes_json_markdown_and_plots(fake, tmp_path, capsys):
 
 def test_help_explains_flags(capsys):
     with pytest.raises(SystemExit) as exc:
-        bench_serving.main(["--help"])
+        bench_cli.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--concurrency", "--prompt-lens", "--output-len", "--plot", "--request-timeout"):
@@ -593,11 +589,11 @@ def _tiny_result() -> dict:
 )
 def test_validate_result_names_the_bad_field(mutate, field):
     good = _tiny_result()
-    bench_metrics.validate_result(good)
+    schema.validate_result(good)
     bad = copy.deepcopy(good)
     mutate(bad)
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("$", r"\$")):
-        bench_metrics.validate_result(bad)
+        schema.validate_result(bad)
 
 
 def test_compare_bench_ratios(tmp_path, capsys):
@@ -613,7 +609,7 @@ def test_compare_bench_ratios(tmp_path, capsys):
     extra["concurrency"] = 4
     b["runs"].append(extra)
 
-    cmp = compare_bench.compare(a, b)
+    cmp = compare.compare(a, b)
     row = cmp["rows"][0]
     assert (row["prompt_len"], row["concurrency"]) == (64, 1)
     m = row["metrics"]
@@ -627,16 +623,16 @@ def test_compare_bench_ratios(tmp_path, capsys):
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
-    assert compare_bench.main([str(pa), str(pb)]) == 0
+    assert compare.main([str(pa), str(pb)]) == 0
     out = capsys.readouterr().out
     assert "2.50x" in out and "0.50x" in out and "only in b" in out.lower()
     # a missing metric gives no ratio instead of a crash
     b["runs"][0]["spec_decode"] = None
-    row = compare_bench.compare(a, b)["rows"][0]
+    row = compare.compare(a, b)["rows"][0]
     assert row["metrics"]["mean_acceptance_length"]["ratio"] is None
     # an invalid file is refused with a clear message
     pb.write_text(json.dumps({"kind": "other"}))
-    assert compare_bench.main([str(pa), str(pb)]) == 2
+    assert compare.main([str(pa), str(pb)]) == 2
     assert "b.json" in capsys.readouterr().err
 
 
@@ -644,65 +640,27 @@ def test_compare_bench_ratios(tmp_path, capsys):
 # /metrics parsing
 # ---------------------------------------------------------------------------------------
 
-VLLM_METRICS_SAMPLE = r"""# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 3.0
-vllm:num_requests_running{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 2.0
-# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 105.0
-vllm:spec_decode_num_drafts_total{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 1.05e2
-# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
-# TYPE vllm:spec_decode_num_drafts_created gauge
-vllm:spec_decode_num_drafts_created{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 1.7712e+09
-# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
-# TYPE vllm:spec_decode_num_draft_tokens_total counter
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 525.0
-vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 525.0
-# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
-# TYPE vllm:spec_decode_num_accepted_tokens_total counter
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 149.0
-vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 151.0
-# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
-# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="0"} 90.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="1"} 40.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="2"} 15.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="3"} 3.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark",position="4"} 1.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 92.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 41.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 14.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="3",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 4.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="4",engine="1",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 0.0
-# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
-# TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 0.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 12.0
-vllm:time_to_first_token_seconds_sum{engine="0",model_name="deepseek-ai/DeepSeek-V4-Flash-DSpark"} 4.2
-http_requests_total{handler="/v1/completions",method="POST",status="2xx",note="a \"quoted\" \\ value"} 7.0
-process_start_time_seconds 1.7712e+09
-vllm:cache_config_info{block_size="256",cache_dtype="fp8_ds_mla",prefix_caching="True"} 1.0
-python_gc_objects_collected_total{generation="0"} NaN
-"""
+# A /metrics page of a two-engine vLLM server with speculative decoding (label orders vary,
+# escapes, NaN, exponents, histogram buckets).
+VLLM_METRICS_SAMPLE = (Path(__file__).parent / "fixtures" / "vllm_metrics_sample.txt").read_text()
 
 
 def test_parse_vllm_spec_decode_counters():
-    c = bench_metrics.spec_decode_counters(VLLM_METRICS_SAMPLE)
+    c = prometheus.spec_decode_counters(VLLM_METRICS_SAMPLE)
     assert c == {
         "num_drafts": 210.0,
         "num_draft_tokens": 1050.0,
         "num_accepted_tokens": 300.0,
         "accepted_per_position": [182.0, 81.0, 29.0, 7.0, 1.0],
     }
-    samples = bench_metrics.parse_prometheus(VLLM_METRICS_SAMPLE)
+    samples = prometheus.parse_prometheus(VLLM_METRICS_SAMPLE)
     http = [s for s in samples if s[0] == "http_requests_total"][0]
     assert http[1]["note"] == 'a "quoted" \\ value' and http[2] == 7.0
     assert [s for s in samples if s[0] == "process_start_time_seconds"][0][1] == {}
 
 
 def test_spec_decode_delta_and_derived_figures():
-    before = bench_metrics.spec_decode_counters(VLLM_METRICS_SAMPLE)
+    before = prometheus.spec_decode_counters(VLLM_METRICS_SAMPLE)
     after = copy.deepcopy(before)
     after["num_drafts"] += 100
     after["num_draft_tokens"] += 500
@@ -710,32 +668,32 @@ def test_spec_decode_delta_and_derived_figures():
     after["accepted_per_position"] = [
         a + d for a, d in zip(before["accepted_per_position"], [80, 50, 30, 15, 5], strict=True)
     ]
-    d = bench_metrics.spec_decode_delta(before, after)
+    d = prometheus.spec_decode_delta(before, after)
     assert d["num_drafts"] == 100 and d["num_draft_tokens"] == 500
     assert d["num_accepted_tokens"] == 180
     assert d["accepted_per_position"] == [80, 50, 30, 15, 5]
     assert d["acceptance_rate"] == pytest.approx(0.36)
     assert d["mean_acceptance_length"] == pytest.approx(2.8)
     assert d["acceptance_per_position"] == pytest.approx([0.8, 0.5, 0.3, 0.15, 0.05])
-    idle = bench_metrics.spec_decode_delta(before, before)
+    idle = prometheus.spec_decode_delta(before, before)
     assert idle["num_drafts"] == 0 and idle["mean_acceptance_length"] is None
     assert idle["acceptance_per_position"] is None
-    assert bench_metrics.spec_decode_counters("# nothing\nvllm:num_requests_running 1\n") is None
+    assert prometheus.spec_decode_counters("# nothing\nvllm:num_requests_running 1\n") is None
     with pytest.raises(ValueError, match="backwards"):
-        bench_metrics.spec_decode_delta(after, before)
+        prometheus.spec_decode_delta(after, before)
 
 
 def test_malformed_metrics_line_is_named():
     with pytest.raises(ValueError, match="line 2"):
-        bench_metrics.parse_prometheus("ok_metric 1\nthis is not a sample\n")
+        prometheus.parse_prometheus("ok_metric 1\nthis is not a sample\n")
 
 
 def test_percentiles_match_linear_interpolation():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert bench_metrics.percentile(xs, 50) == 3.0
-    assert bench_metrics.percentile(xs, 90) == pytest.approx(4.6)
-    assert bench_metrics.percentile(xs, 99) == pytest.approx(4.96)
-    assert bench_metrics.percentile([7.0], 99) == 7.0
-    s = bench_metrics.summarize([None, 2.0, 4.0])
+    assert stats.percentile(xs, 50) == 3.0
+    assert stats.percentile(xs, 90) == pytest.approx(4.6)
+    assert stats.percentile(xs, 99) == pytest.approx(4.96)
+    assert stats.percentile([7.0], 99) == 7.0
+    s = stats.summarize([None, 2.0, 4.0])
     assert s["n"] == 2 and s["mean"] == 3.0 and s["p50"] == 3.0
-    assert bench_metrics.summarize([None]) is None
+    assert stats.summarize([None]) is None

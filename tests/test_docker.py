@@ -36,6 +36,7 @@ from fixtures.spark_host import (
     standard_gids,
     write_env,
 )
+from support.net import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -451,12 +452,6 @@ def local_ipv4() -> str | None:
     finally:
         s.close()
     return None if ip.startswith("127.") else ip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

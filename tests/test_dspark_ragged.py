@@ -6,29 +6,13 @@ per-row Python loop written here from the issue's contract (not from the module)
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.overlay import load_overlay_module
 
-ROOT = Path(__file__).resolve().parents[1]
-MODULE_PATH = ROOT / "overlay/vllm/v1/spec_decode/dspark_ragged.py"
-
-
-def _load_module():
-    # Load by path: the overlay's `vllm` package would otherwise clash with the real one.
-    spec = importlib.util.spec_from_file_location("dspark_ragged", MODULE_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dr = _load_module()
+dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
 
 BIT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 

@@ -13,29 +13,13 @@ test, which imports vLLM's CPU platform like the model does.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-import types
-from pathlib import Path
 
 import pytest
 import torch
+from support.overlay import load_overlay_module
 
-REPO = Path(__file__).resolve().parents[1]
-OVERLAY_CPU = REPO / "overlay/vllm/models/deepseek_v4/cpu"
-_PKG = "dsv4_cpu_overlay_kernels"
-
-
-def _load():
-    if _PKG not in sys.modules:
-        pkg = types.ModuleType(_PKG)
-        pkg.__path__ = [str(OVERLAY_CPU)]  # the package's __init__ (registration) is not run
-        sys.modules[_PKG] = pkg
-    return importlib.import_module(f"{_PKG}.torch_compressor_ops")
-
-
-ops = _load()
+ops = load_overlay_module("vllm/models/deepseek_v4/cpu/torch_compressor_ops.py")
 
 FP8 = torch.float8_e4m3fn
 OPS = [

@@ -26,12 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dsv4_overlay_tree as tree
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dsv4_overlay_tree as tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().parent / "dsv4_e2e_runner.py"

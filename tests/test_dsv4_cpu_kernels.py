@@ -17,13 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dsv4_kernel_cases as cases
+import dsv4_overlay_tree as tree
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dsv4_kernel_cases as cases  # noqa: E402
-import dsv4_overlay_tree as tree  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ORACLE_DIR = Path(os.environ.get("TRITON_ORACLE_DIR", REPO / ".cache/triton-oracle"))

@@ -9,34 +9,18 @@ store. The TP=2 tests run real torch.distributed (gloo) in two spawned processes
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import multiprocessing
 import os
 import random
-import socket
-import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from support.net import free_port
+from support.overlay import load_overlay_module
 
-ROOT = Path(__file__).resolve().parents[1]
-MODULE_PATH = ROOT / "overlay/vllm/models/deepseek_v4/common/packed_prefill.py"
-
-
-def _load(name: str, path: Path):
-    """Import an overlay file by path: the overlay is not a package of the installed vLLM."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pp = _load("_overlay_packed_prefill", MODULE_PATH)
+pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
 
 # The TP=2 fixture joins its processes with a timeout too; this is the outer guard.
 pytestmark = pytest.mark.timeout(300)
@@ -560,12 +544,6 @@ def test_zero_pad_row_would_project_nonzero():
 # ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dist_worker(rank: int, port: int, out_dir: str) -> None:
     """One TP rank: ingest every scenario with TP=2 and save what it stored."""
     import datetime
@@ -605,7 +583,7 @@ def tp2(tmp_path_factory):
     ctx = multiprocessing.get_context("spawn")
     for attempt in range(2):  # a second try if another test grabbed the port
         out = tmp_path_factory.mktemp(f"tp2_{attempt}")
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_dist_worker, args=(rank, port, str(out)), daemon=True)
             for rank in range(2)

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import dsv4_overlay_tree as tree
+import make_tiny_model as mtm
 import pytest
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dsv4_overlay_tree as tree  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts/make_tiny_model.py"
-
-_spec = importlib.util.spec_from_file_location("make_tiny_model", SCRIPT)
-mtm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mtm)
 
 
 def make(out: Path, *args: str) -> Path:

@@ -44,6 +44,7 @@ from vllm.model_executor.models.qwen3_dspark import (
     DSparkMarkovHead,
 )
 from vllm.model_executor.models.utils import maybe_prefix
+from vllm.models.deepseek_v4.common.fp8_ds_mla import QUANT_BLOCK, quantize_blocks
 from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
 from vllm.platforms import current_platform
 
@@ -56,9 +57,6 @@ __all__ = [
     "draft_hf_config",
     "fp8_nope_roundtrip",
 ]
-
-FP8_NOPE_BLOCK = 64
-FP8_E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True)
@@ -168,14 +166,11 @@ def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     draft's attention inputs equal to what it was trained against.
     """
     nope = kv.shape[-1] - rope_dim
-    if nope <= 0 or nope % FP8_NOPE_BLOCK:
+    if nope <= 0 or nope % QUANT_BLOCK:
         return kv
     head, tail = kv[..., :nope].float(), kv[..., nope:]
-    blocks = head.unflatten(-1, (nope // FP8_NOPE_BLOCK, FP8_NOPE_BLOCK))
-    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_E4M3_MAX)))
-    q = (blocks / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    q = q.float() * scale
+    q, exponent = quantize_blocks(head.unflatten(-1, (nope // QUANT_BLOCK, QUANT_BLOCK)))
+    q = q.float() * torch.exp2(exponent)
     return torch.cat([q.flatten(-2).to(kv.dtype), tail], dim=-1)
 
 

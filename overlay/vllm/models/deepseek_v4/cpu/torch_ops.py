@@ -8,28 +8,27 @@ DeepSeek-V4 forward fails. This module registers a plain-torch implementation un
 same ``_C`` op name and schema for each such kernel that is missing, and nothing when the
 native one is there, so the model code (target and DSpark draft) runs unchanged.
 
-Covered: the kernels a pure sliding-window DeepSeek-V4 layer uses (compress ratio 0/1,
-every DSpark draft layer). The compressor/indexer kernels of C4A/C128A layers are not;
-a model with such layers still needs the native build.
+Covered here: the kernels a pure sliding-window DeepSeek-V4 layer uses (compress ratio 0/1,
+every DSpark draft layer); the compressor/indexer kernels of C4A/C128A layers are in
+torch_compressor_ops.py.
 
-The SWA cache uses vLLM's ``fp8_ds_mla`` token layout (see
-``vllm/models/deepseek_v4/common/ops/cache_utils.py``): per block, ``block_size`` token
-records of 448 FP8-e4m3 bytes + 64 bf16 RoPE dims (576 bytes), then ``block_size`` x 8
-UE8M0 scale bytes (one per 64 FP8 dims, exponent + 127).
+The SWA cache uses vLLM's ``fp8_ds_mla`` token layout (``common/fp8_ds_mla.py``): per block,
+``block_size`` token records, then ``block_size`` x 8 UE8M0 scale bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["MISSING_BEFORE_REGISTRATION", "register_missing_ops"]
+from ..common.fp8_ds_mla import (
+    NOPE_DIM,
+    QUANT_BLOCK,
+    SCALE_BYTES,
+    TOKEN_BYTES,
+    quantize_blocks,
+)
 
-NOPE_DIM = 448
-ROPE_DIM = 64
-QUANT_BLOCK = 64
-TOKEN_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
-SCALE_BYTES = 8
-FP8_MAX = 448.0
+__all__ = ["MISSING_BEFORE_REGISTRATION", "register_missing_ops"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -60,10 +59,7 @@ def _token_view(cache_2d: torch.Tensor, block_size: int):
 def _quantize(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 ``[T, 512]`` -> (record bytes ``[T, 576]``, scale bytes ``[T, 8]``)."""
     nope = kv[:, :NOPE_DIM].float().view(-1, NOPE_DIM // QUANT_BLOCK, QUANT_BLOCK)
-    # Same rule as the native kernels: the scale, not the max, is floored at 1e-4.
-    scale = (nope.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-4)
-    exponent = torch.ceil(torch.log2(scale))
-    q = (nope / torch.exp2(exponent)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q, exponent = quantize_blocks(nope)
     record = torch.cat(
         [q.view(-1, NOPE_DIM).view(torch.uint8), kv[:, NOPE_DIM:].contiguous().view(torch.uint8)],
         dim=-1,

@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
-"""Put two bench_serving result files side by side, with B/A ratios.
+"""Put two sweep result files side by side, with B/A ratios: `python -m scripts.bench.compare A B`.
 
 Runs are matched by (prompt length, concurrency). For each matched run the table shows
 A, B and B/A for the headline metrics; a ratio above 1 means B is larger (better for
 tok/s and acceptance, worse for latencies). Runs present in only one file are listed.
 
-  compare_bench.py bench-results/serving-nospec.json bench-results/serving-dspark.json
-  compare_bench.py A.json B.json --labels flat ragged --out bench-results/ragged-vs-flat.md
+  python -m scripts.bench.compare bench-results/nospec.json bench-results/dspark.json
+  python -m scripts.bench.compare A.json B.json --labels flat ragged --out bench-results/ragged-vs-flat.md
 
 Exit codes: 0 done; 2 a file is missing or is not a valid bench_serving result.
 """
@@ -20,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_metrics import validate_result  # noqa: E402
+from .schema import validate_result
 
 
 def _stat(key: str, q: str) -> Callable[[Mapping[str, Any]], float | None]:
@@ -108,7 +106,7 @@ def format_markdown(cmp: Mapping[str, Any], label_a: str, label_b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _load(path: Path) -> dict[str, Any]:
+def load_result(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -122,8 +120,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="compare_bench.py",
-        description="Compare two bench_serving.py result files (B relative to A).",
+        prog="python -m scripts.bench.compare",
+        description="Compare two serving sweep result files (B relative to A).",
     )
     ap.add_argument("a", type=Path, help="baseline result JSON (A), e.g. without speculation")
     ap.add_argument("b", type=Path, help="result JSON to compare (B), e.g. with DSpark")
@@ -137,9 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the comparison as JSON to this file")
     args = ap.parse_args(argv)
     try:
-        a, b = _load(args.a), _load(args.b)
+        a, b = load_result(args.a), load_result(args.b)
     except ValueError as exc:
-        print(f"compare_bench: error: {exc}", file=sys.stderr)
+        print(f"compare: error: {exc}", file=sys.stderr)
         return 2
     cmp = compare(a, b)
     if args.labels:
