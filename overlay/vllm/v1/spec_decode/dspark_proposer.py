@@ -251,7 +251,9 @@ class DSparkProposer:
 
         self.release(finished_req_ids)
         req_ids = list(req_ids)
-        plan = self.plan(req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu)
+        plan = self.plan(
+            req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu
+        )
         self.live_request_ids.update(req_ids)
         num_rows, num_reqs = plan.num_rows, plan.num_requests
         positions = positions[:num_rows]

@@ -75,7 +75,9 @@ def propose_from_runner(
             state = runner.requests[req_ids[i]]
             nxt = state.num_computed_tokens + scheduler_output.num_scheduled_tokens[req_ids[i]]
             backup[i] = state.get_token_id(nxt)
-        anchors = torch.where(discard, torch.from_numpy(backup).to(device, non_blocking=True), anchors)
+        anchors = torch.where(
+            discard, torch.from_numpy(backup).to(device, non_blocking=True), anchors
+        )
     runner._copy_valid_sampled_token_count(anchors.to(torch.int32), valid.to(torch.int32))
 
     finished = set(scheduler_output.finished_req_ids)

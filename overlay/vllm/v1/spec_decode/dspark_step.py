@@ -23,7 +23,7 @@ from vllm.models.deepseek_v4.common.packed_prefill import (
     PackedPrefill,
     plan_packed_prefill,
 )
-from vllm.v1.spec_decode.dspark_ragged import StorePlan, store_plan_arrays, ship
+from vllm.v1.spec_decode.dspark_ragged import StorePlan, ship, store_plan_arrays
 
 __all__ = ["StepPlan", "capture_sizes", "draft_anchor_positions", "plan_step"]
 

@@ -84,12 +84,7 @@ def _check_rank(tp_size: int, rank: object) -> None:
 
 
 def _check_group(tp_size: int, rank: int, group: object) -> None:
-    if group is None:
-        if tp_size != 1:
-            raise ValueError(
-                f"group must be a torch.distributed ProcessGroup when tp_size={tp_size} "
-                "(None is only valid for tp_size=1)"
-            )
+    if group is None:  # a geometry-only plan; ingestion refuses it for tp_size > 1
         return
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group was given but torch.distributed is not initialized")
@@ -115,7 +110,8 @@ def plan_packed_prefill(
 ) -> PackedPrefill:
     """Validate the chunk's host metadata and derive the TP row split; no device work.
 
-    Every later helper trusts the plan, so all metadata checks live here.
+    Every later helper trusts the plan, so all metadata checks live here. ``group`` may be
+    omitted for a geometry-only plan; ingestion with ``tp_size > 1`` needs it.
     """
     if not _is_int(tp_size) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
@@ -300,6 +296,11 @@ def ingest_packed_prefill(
         rank. The K caches are updated in place, identically on every rank. The
         projection's output shape is checked before the all-gather and the store.
     """
+    if plan.tp_size > 1 and plan.group is None:
+        raise ValueError(
+            f"plan.group must be a torch.distributed ProcessGroup when tp_size={plan.tp_size} "
+            "(None is only valid for tp_size=1)"
+        )
     cache = kv_caches[0][0]
     layers, rows, dim = len(kv_caches), plan.rows_per_rank, cache.shape[-1]
     base, real = plan.rank_rows()
@@ -308,7 +309,9 @@ def ingest_packed_prefill(
     local_kv = project(_local_features(plan, features), local_pos)
     want = (rows, layers, dim)
     if not isinstance(local_kv, torch.Tensor) or tuple(local_kv.shape) != want:
-        got = tuple(local_kv.shape) if isinstance(local_kv, torch.Tensor) else type(local_kv).__name__
+        got = (
+            tuple(local_kv.shape) if isinstance(local_kv, torch.Tensor) else type(local_kv).__name__
+        )
         raise ValueError(f"project must return [L, K, D]={list(want)}, got {got}")
     if local_kv.dtype != cache.dtype or local_kv.device != cache.device:
         raise ValueError(
