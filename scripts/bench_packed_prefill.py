@@ -19,35 +19,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import overlay_torch
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE_PATH = ROOT / "overlay/vllm/models/deepseek_v4/common/packed_prefill.py"
 OUT_DIR = ROOT / "bench-results"
 
 
-def load_module():
-    """Import the overlay file by path: no vLLM import needed."""
-    name = "_overlay_packed_prefill"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, MODULE_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pp = load_module()
+pp = overlay_torch.load("vllm.models.deepseek_v4.common.packed_prefill")
+dr = overlay_torch.load("vllm.v1.spec_decode.dspark_ragged")
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -160,10 +148,7 @@ def ingest_inputs(num_tokens: int, args) -> dict:
 
 def fresh_caches(num_slots: int, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [
-        (
-            torch.zeros(num_slots, args.window, args.dim),
-            torch.full((num_slots, args.window), -1, dtype=torch.int64),
-        )
+        dr.allocate_rings(num_slots, args.window, args.dim, torch.float32, "cpu")
         for _ in range(args.layers)
     ]
 
@@ -186,7 +171,10 @@ def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict
     times = {}
     for num_tokens in args.ingest_tokens:
         inp = ingest_inputs(num_tokens, args)
-        plan = pp.plan_packed_prefill(inp["qsl"], tp)
+        plan = pp.plan_packed_prefill(inp["qsl"], tp, rank=rank, group=group)
+        store = dr.plan_store(
+            inp["qsl"], inp["slots"], window=args.window, num_slots=plan.num_requests
+        )
         caches = fresh_caches(plan.num_requests, args)
         totals, projects = [], []
         for i in range(args.repeats + 1):
@@ -195,13 +183,11 @@ def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict
             start = time.perf_counter()
             pp.ingest_packed_prefill(
                 plan,
-                rank,
-                group,
+                store,
                 inp["features"],
                 inp["positions"],
                 project,
                 caches,
-                inp["slots"],
                 max_model_len=1 << 20,
             )
             sample = torch.tensor([time.perf_counter() - start, spent[-1]], dtype=torch.float64)

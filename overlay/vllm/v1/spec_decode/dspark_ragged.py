@@ -66,9 +66,10 @@ def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str,
     """
     device = torch.device(device)
     sizes = [a.size for a in arrays.values()]
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    if sizes and sum(sizes):
-        np.concatenate([a.reshape(-1) for a in arrays.values()], out=host.numpy(), casting="unsafe")
+    packed = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays.values()])
+    host = torch.from_numpy(packed)
+    if device.type == "cuda":
+        host = host.pin_memory()
     on_device = host.to(device, non_blocking=True)
     return dict(zip(arrays, on_device.split(sizes), strict=True))
 
