@@ -263,11 +263,13 @@ class DSparkProposer:
             anchors = torch.nn.functional.pad(
                 next_token_ids.long(), (0, plan.draft_rows - num_reqs), value=self.noise_token_id
             )
+            noise = None
             if temperature is not None and self.probabilistic:
                 temperature = torch.nn.functional.pad(temperature, (0, plan.draft_rows - num_reqs))
+                noise = self.draw_race_noise(plan.draft_rows)
             else:
                 temperature = None
-            tokens = self.draft_block(plan.draft_slots, anchors, anchor_pos, temperature)
+            tokens = self.draft_block(plan.draft_slots, anchors, anchor_pos, temperature, noise)
         drafts = tokens[:num_reqs, : self.num_speculative_tokens]
         if self._last_probs is not None:
             self._last_probs = self._last_probs[:num_reqs]
@@ -347,13 +349,15 @@ class DSparkProposer:
         anchors: torch.Tensor,
         anchor_pos: torch.Tensor,
         temperature: torch.Tensor | None,
+        race_noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Backbone + Markov head for ``[B]`` draft rows (B a draft size): ``[B, N]`` tokens.
 
-        Static shapes (B, N, W, V fixed), no host read: one CUDA graph per draft size can
-        capture it. Reads the rings, never writes them; a pad row (slot = scratch row,
-        anchor position 0) attends nothing. Keeps the draft distributions (probabilistic
-        drafting) and the confidence of the block.
+        Static shapes (B, N, W, V fixed), no host read, no RNG state (sampled rows use
+        ``race_noise [B, N, V]``, see ``draw_race_noise``): one CUDA graph per draft size
+        can capture it. Reads the rings, never writes them; a pad row (slot = scratch
+        row, anchor position 0) attends nothing. Keeps the draft distributions
+        (probabilistic drafting) and the confidence of the block.
         """
         model, n = self.model, self.block_size
         ids = torch.full_like(anchors[:, None].expand(-1, n), self.noise_token_id)
@@ -369,13 +373,19 @@ class DSparkProposer:
             model.markov_embed,
             model.markov_bias,
             temperature=temperature,
-            generator=self.generator,
+            race_noise=race_noise,
             return_probs=self.probabilistic,
         )
         self.last_confidence = model.compute_confidence(head, out.embeds)
         k = self.num_speculative_tokens
         self._last_probs = out.probs[:, :k].contiguous() if out.probs is not None else None
         return out.tokens
+
+    def draw_race_noise(self, rows: int) -> torch.Tensor:
+        """``Exp(1)`` draws ``[rows, N, V]`` for sampled drafting, from ``self.generator``."""
+        shape = (rows, self.block_size, self.model.shape.vocab_size)
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return noise.exponential_(generator=self.generator)
 
     def _count(self, plan: StepPlan, num_rejected: torch.Tensor) -> None:
         """Host numbers from the plan; the rejected total accumulates on the device."""
