@@ -102,15 +102,27 @@ class HostReadCounter(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def top_level_aten_ops(prof) -> int:
-    count = 0
+BLOCK = "dspark_draft_block"
+
+
+def top_level_aten_ops(prof) -> tuple[int, int]:
+    """(all top-level aten ops, those inside the draft block) of one profiled call.
+
+    The draft block has static shapes and no host reads: on a GPU it is one CUDA graph
+    replay, so only the ops outside it launch one by one.
+    """
+    total = in_block = 0
     for event in prof.events():
         parent = event.cpu_parent
-        if event.name.startswith("aten::") and (
-            parent is None or not parent.name.startswith("aten::")
+        if not event.name.startswith("aten::") or (
+            parent is not None and parent.name.startswith("aten::")
         ):
-            count += 1
-    return count
+            continue
+        total += 1
+        while parent is not None and parent.name != BLOCK:
+            parent = parent.cpu_parent
+        in_block += parent is not None
+    return total, in_block
 
 
 def ensure_model(path: Path) -> Path:
@@ -177,14 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(ensure_model(args.model.resolve()))
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     propose = drafter.propose
-    ops, reads, propose_ms = [], [], []
+    ops, outside_block, reads, propose_ms = [], [], [], []
     kinds, sites = collections.Counter(), collections.Counter()
+
+    block = getattr(drafter, "draft_block", None)  # absent before the plan/run split
+    if block is not None:
+
+        def labelled_block(*a, **kw):
+            with torch.profiler.record_function(BLOCK):
+                return block(*a, **kw)
+
+        drafter.draft_block = labelled_block
 
     def counting(*a, **kw):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with HostReadCounter() as counter:
                 out = propose(*a, **kw)
-        ops.append(top_level_aten_ops(prof))
+        total, in_block = top_level_aten_ops(prof)
+        ops.append(total)
+        outside_block.append(total - in_block)
         reads.append(sum(counter.kinds.values()))
         kinds.update(counter.kinds)
         sites.update(counter.sites)
@@ -214,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "steps": len(ops),
         "aten_ops_per_step": summarize(ops),
+        "aten_ops_outside_draft_block": summarize(outside_block),
         "host_reads_per_step": summarize(reads),
         "host_reads_by_kind": dict(kinds),
         "host_reads_by_site": dict(sites.most_common()),
@@ -225,18 +249,21 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"{result['steps']} propose() steps ({args.label})")
-    for key in ("aten_ops_per_step", "host_reads_per_step", "propose_ms", "engine_step_ms"):
+    keys = ("aten_ops_per_step", "aten_ops_outside_draft_block", "host_reads_per_step")
+    for key in (*keys, "propose_ms", "engine_step_ms"):
         s = result[key]
-        print(f"  {key:20s} median {s['median']:8.2f}  max {s['max']:8.2f}")
+        print(f"  {key:28s} median {s['median']:8.2f}  max {s['max']:8.2f}")
     print(f"  host reads by kind   {dict(kinds)}")
     print(f"  host reads by site   {dict(sites.most_common())}")
     print(f"  proposer share of the engine step: {result['propose_share_of_step']:.1%}")
     if args.baseline is not None:
         old = json.loads(args.baseline.read_text())
         print(f"vs {old['label']} ({args.baseline}):")
-        for key in ("aten_ops_per_step", "host_reads_per_step", "propose_ms"):
+        for key in (*keys, "propose_ms"):
+            if key not in old:
+                continue
             before, after = old[key]["median"], result[key]["median"]
-            print(f"  {key:20s} {before:8.2f} -> {after:8.2f}  ({after / max(before, 1e-9):.2f}x)")
+            print(f"  {key:28s} {before:8.2f} -> {after:8.2f}  ({after / max(before, 1e-9):.2f}x)")
         result["baseline"] = old
         args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
