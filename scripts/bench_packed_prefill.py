@@ -35,6 +35,7 @@ OUT_DIR = ROOT / "bench-results"
 
 
 pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -147,10 +148,7 @@ def ingest_inputs(num_tokens: int, args) -> dict:
 
 def fresh_caches(num_slots: int, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [
-        (
-            torch.zeros(num_slots, args.window, args.dim),
-            torch.full((num_slots, args.window), -1, dtype=torch.int64),
-        )
+        dr.allocate_rings(num_slots, args.window, args.dim, torch.float32, "cpu")
         for _ in range(args.layers)
     ]
 
@@ -173,7 +171,10 @@ def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict
     times = {}
     for num_tokens in args.ingest_tokens:
         inp = ingest_inputs(num_tokens, args)
-        plan = pp.plan_packed_prefill(inp["qsl"], tp)
+        plan = pp.plan_packed_prefill(inp["qsl"], tp, rank=rank, group=group)
+        store = dr.plan_store(
+            inp["qsl"], inp["slots"], window=args.window, num_slots=plan.num_requests
+        )
         caches = fresh_caches(plan.num_requests, args)
         totals, projects = [], []
         for i in range(args.repeats + 1):
@@ -182,13 +183,11 @@ def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict
             start = time.perf_counter()
             pp.ingest_packed_prefill(
                 plan,
-                rank,
-                group,
+                store,
                 inp["features"],
                 inp["positions"],
                 project,
                 caches,
-                inp["slots"],
                 max_model_len=1 << 20,
             )
             sample = torch.tensor([time.perf_counter() - start, spent[-1]], dtype=torch.float64)

@@ -221,12 +221,14 @@ def reorders(steps) -> int:
 
 def run_dspark(model: str, baseline: dict) -> dict:
     import torch
+    from support.dspark_steps import observe_steps
     from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     base = baseline["outputs"]
     all_prompts = prompts()
     engine = make_engine(model, spec=True)
-    drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
+    drafter = runner.drafter
     result = {"budget": CHUNK}
 
     # --- lossless: concurrent mixed-length prompts, real drafts -----------------------
@@ -264,12 +266,12 @@ def run_dspark(model: str, baseline: dict) -> dict:
 
     checker = WindowChecker(drafter, torch)
     drafter.draft_override = override
-    drafter.step_observer = checker
+    observe_steps(drafter, checker, lambda rows: runner.input_ids.gpu[:rows])
     for i in range(len(SCRIPTED)):
         engine.add_request(f"S{i}", {"prompt_token_ids": all_prompts[f"S{i}"]}, params(24))
     outputs, steps = drive(engine, lambda _: None)
     drafter.draft_override = None
-    drafter.step_observer = None
+    observe_steps(drafter, None)
     for st in checker.steps:
         for i, rid in enumerate(st["req_ids"]):
             rows = st["qsl"][i + 1] - st["qsl"][i]
@@ -289,7 +291,7 @@ def run_dspark(model: str, baseline: dict) -> dict:
     # --- churn: finish / arrive / abort mid-run, slot reuse, batch reorder --------------
     drafter.counters = DSparkCounters()
     checker = WindowChecker(drafter, torch)
-    drafter.step_observer = checker
+    observe_steps(drafter, checker, lambda rows: runner.input_ids.gpu[:rows])
     released: set[str] = set()
     original_release = drafter.release
 
@@ -318,7 +320,7 @@ def run_dspark(model: str, baseline: dict) -> dict:
             engine.abort_request([aborted])
 
     outputs, steps = drive(engine, schedule)
-    drafter.step_observer = None
+    observe_steps(drafter, None)
     drafter.release = original_release
     churn_ids = {r for r in drafter.live_request_ids | released if external(r).startswith("C")}
     # Committed sequences, incl. drafts accepted past max_tokens and the aborted request:

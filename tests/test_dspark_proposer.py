@@ -13,8 +13,9 @@ import zlib
 
 import pytest
 import torch
-import vllm.v1.spec_decode.dspark_proposer as proposer_mod  # noqa: E402
+import vllm.v1.spec_decode.dspark_step as step_mod
 from dspark_support import build_draft, ensure_tiny_model, make_proposer
+from support.dspark_steps import observe_steps
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +38,18 @@ class Sim:
         self.length = {}  # req id -> committed positions
         self.reference = {}  # req id -> {pos: [K, D] kv}
         self.records = []
-        proposer.step_observer = self.records.append
+        observe_steps(proposer, self.records.append)
 
     def step(self, segments, order=None):
         """segments: list of (req_id, new_rows, num_rejected). Returns (drafts, record)."""
         if order is not None:
             segments = [segments[i] for i in order]
-        qsl, positions, rej, ids, aux, anchors = [0], [], [], [], [], []
+        qsl, positions, rej, ids, aux, anchors, bound = [0], [], [], [], [], [], []
+        k = self.p.num_speculative_tokens
         for rid, rows, r in segments:
+            # The scheduler's draft count bounds the rejections: a verify segment of
+            # rows <= k+1 verified rows-1 drafts, however many the target rejected.
+            bound.append(rows - 1 if rows <= k + 1 else r)
             start = self.length.setdefault(rid, 0)
             positions.extend(range(start, start + rows))
             qsl.append(qsl[-1] + rows)
@@ -58,11 +63,12 @@ class Sim:
         anchors = torch.tensor(anchors)
         drafts = self.p.propose(
             req_ids=ids,
-            query_start_loc=torch.tensor(qsl),
+            query_start_loc_cpu=torch.tensor(qsl),
             positions=torch.tensor(positions),
             aux_hidden_states=aux,
             num_rejected=torch.tensor(rej),
             next_token_ids=anchors,
+            num_draft_tokens=bound,
         )
         rec = self.records[-1]
         for i, (rid, rows, r) in enumerate(segments):
@@ -155,11 +161,12 @@ def _propose(p, segments, width, gen):
         aux.append(a)
     return p.propose(
         req_ids=[s[0] for s in segments],
-        query_start_loc=torch.tensor(qsl),
+        query_start_loc_cpu=torch.tensor(qsl),
         positions=torch.tensor(pos),
         aux_hidden_states=torch.cat(aux),
         num_rejected=torch.tensor([s[3] for s in segments]),
         next_token_ids=torch.tensor([s[4] for s in segments]),
+        num_draft_tokens=[s[3] for s in segments],
     )
 
 
@@ -201,7 +208,7 @@ def test_packed_prefill_path_equals_direct_store(env, monkeypatch):
     rings = []
     for packed in (True, False):
         if not packed:
-            monkeypatch.setattr(proposer_mod, "MAX_PACKED_TOKENS", 0)
+            monkeypatch.setattr(step_mod, "MAX_PACKED_TOKENS", 0)
         p = make_proposer(draft, vc)
         sim = Sim(p, seed=4)
         sim.step([("a", 70, 0), ("b", 3, 0), ("c", 140, 0)])
@@ -213,21 +220,20 @@ def test_packed_prefill_path_equals_direct_store(env, monkeypatch):
 
 
 def test_probabilistic_drafts_keep_distributions(env):
-    from types import SimpleNamespace
-
     draft, vc = env
     p = make_proposer(draft, vc, probabilistic=True)
     sim = Sim(p, seed=5)
-    meta = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.0, 0.8, 1.3]))
+    temperature = torch.tensor([0.0, 0.8, 1.3])
     ids = ["g", "r1", "r2"]
     drafts = p.propose(
         req_ids=ids,
-        query_start_loc=torch.tensor([0, 4, 9, 30]),
+        query_start_loc_cpu=torch.tensor([0, 4, 9, 30]),
         positions=torch.cat([torch.arange(4), torch.arange(5), torch.arange(21)]),
         aux_hidden_states=torch.randn(30, sim.width, generator=sim.gen).to(torch.bfloat16),
         num_rejected=torch.zeros(3, dtype=torch.int64),
         next_token_ids=torch.tensor([7, 8, 9]),
-        sampling_metadata=meta,
+        temperature=temperature,
+        temperature_cpu=temperature,
     )
     probs = p.take_last_draft_probs()
     assert p.take_last_draft_probs() is None

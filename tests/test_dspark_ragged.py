@@ -78,11 +78,34 @@ def contiguous_positions(starts, lengths):
     )
 
 
-def run_both(cache, cache_pos, kv, positions, qsl, slots, rej):
+def store(cache, cache_pos, kv, positions, qsl, slots, rej=None, bound=None, allow_flat=True):
+    """Plan and run the store on ``cache`` (all rows live); the scratch row is added here.
+
+    ``bound`` (default: ``rej``) is the plan's per-request rejection bound; the device
+    store gets the actual ``rej``.
+    """
+    num_slots, window = cache.shape[:2]
+    plan = dr.plan_store(
+        qsl,
+        slots,
+        rej if bound is None else bound,
+        window=window,
+        num_slots=num_slots,
+        allow_flat=allow_flat,
+    )
+    ext_c, ext_p = torch.cat([cache, cache[:1]]), torch.cat([cache_pos, cache_pos[:1]])
+    rej = None if rej is None else torch.as_tensor(rej)
+    dr.store_context_kv(ext_c, ext_p, kv, positions.long(), plan, rej)
+    cache.copy_(ext_c[:num_slots])
+    cache_pos.copy_(ext_p[:num_slots])
+    return plan
+
+
+def run_both(cache, cache_pos, kv, positions, qsl, slots, rej, bound=None):
     """Store with the module and with the reference on copies; assert bitwise equality."""
     got_c, got_p = cache.clone(), cache_pos.clone()
     ref_c, ref_p = cache.clone(), cache_pos.clone()
-    dr.store_context_kv(got_c, got_p, kv, positions, qsl, slots, rej)
+    store(got_c, got_p, kv, positions, qsl, slots, rej, bound)
     reference_store(ref_c, ref_p, kv, positions, qsl, slots, rej)
     assert_bitwise_equal(got_c, ref_c)
     assert torch.equal(got_p, ref_p)
@@ -118,6 +141,7 @@ def ragged_steps(draw, window, dtype):
 
 
 def build_step(num_requests, window, dtype, num_slots, lengths, rejected, starts, gapped, seed):
+    """Step tensors; the rejection bound is the actual count plus a random slack."""
     gen = torch.Generator().manual_seed(seed)
     dim = 8
     cache, cache_pos = make_cache(num_slots, window, dim, dtype, gen)
@@ -133,7 +157,9 @@ def build_step(num_requests, window, dtype, num_slots, lengths, rejected, starts
     kv = torch.randn(positions.numel(), dim, generator=gen).to(dtype)
     slots = torch.randperm(num_slots, generator=gen)[:num_requests]
     rej = torch.tensor(rejected)
-    return cache, cache_pos, kv, positions, qsl_of(lengths), slots, rej
+    slack = torch.randint(0, 3, (num_requests,), generator=gen)
+    bound = torch.minimum(rej + slack, torch.tensor(lengths))
+    return cache, cache_pos, kv, positions, qsl_of(lengths), slots, rej, bound
 
 
 @pytest.mark.parametrize("window", [4, 128])
@@ -174,14 +200,12 @@ def test_flat_path_equals_ragged_path_on_uniform_batches(
     rej = torch.randint(0, seg_len + 1, (num_requests,), generator=gen) if with_rejections else None
     cache, cache_pos = make_cache(num_requests + 3, window, 8, dtype, gen)
     qsl = qsl_of(lengths)
-    assert not dr.is_ragged(qsl)
 
     flat_c, flat_p = run_both(cache, cache_pos, kv, positions, qsl, slots, rej)
     # Same call with the ragged path forced on the uniform batch.
     ragged_c, ragged_p = cache.clone(), cache_pos.clone()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dr, "_flat_write_rows", dr._ragged_write_rows)
-        dr.store_context_kv(ragged_c, ragged_p, kv, positions, qsl, slots, rej)
+    plan = store(ragged_c, ragged_p, kv, positions, qsl, slots, rej, allow_flat=False)
+    assert not plan.uniform and plan.num_candidates > 0
     assert_bitwise_equal(flat_c, ragged_c)
     assert torch.equal(flat_p, ragged_p)
 
@@ -193,7 +217,7 @@ def test_flat_path_equals_ragged_path_on_uniform_batches(
 
 def test_uniform_batches_take_flat_path_and_ragged_ones_the_ragged_path(monkeypatch):
     calls = []
-    for name in ("_flat_write_rows", "_ragged_write_rows"):
+    for name in ("_flat_candidates", "_ragged_candidates"):
         original = getattr(dr, name)
 
         def spy(*args, _name=name, _original=original):
@@ -203,9 +227,13 @@ def test_uniform_batches_take_flat_path_and_ragged_ones_the_ragged_path(monkeypa
         monkeypatch.setattr(dr, name, spy)
     cache, cache_pos = torch.zeros(4, 8, 2), torch.full((4, 8), -1)
     slots = torch.tensor([1, 3])
-    dr.store_context_kv(cache, cache_pos, torch.ones(6, 2), torch.arange(6), qsl_of([3, 3]), slots)
-    dr.store_context_kv(cache, cache_pos, torch.ones(6, 2), torch.arange(6), qsl_of([5, 1]), slots)
-    assert calls == ["_flat_write_rows", "_ragged_write_rows"]
+    flat = store(cache, cache_pos, torch.ones(6, 2), torch.arange(6), qsl_of([3, 3]), slots)
+    ragged = store(cache, cache_pos, torch.ones(6, 2), torch.arange(6), qsl_of([5, 1]), slots)
+    assert calls == ["_flat_candidates", "_ragged_candidates"]
+    assert (flat.uniform, flat.seg_len, flat.num_candidates) == (True, 3, 6)
+    assert (ragged.uniform, ragged.num_candidates) == (False, 6)
+    assert ragged.cand_rows.tolist() == list(range(6))
+    assert ragged.cand_req.tolist() == [0] * 5 + [1]
 
 
 def test_ragged_step_then_flat_step_equals_per_request():
@@ -221,19 +249,15 @@ def test_ragged_step_then_flat_step_equals_per_request():
     pos1 = contiguous_positions(starts1, lengths1)
     kv1 = torch.randn(pos1.numel(), dim, generator=gen).to(torch.bfloat16)
     rej1 = torch.tensor([0, 0, 1])
-    assert dr.is_ragged(qsl_of(lengths1))
-    dr.store_context_kv(cache, cache_pos, kv1, pos1, qsl_of(lengths1), slots, rej1)
+    assert not store(cache, cache_pos, kv1, pos1, qsl_of(lengths1), slots, rej1).uniform
 
     # Step 2 (flat): every request verifies 4 rows starting after its anchor.
-    anchors = (
-        pos1[dr.anchor_rows(qsl_of(lengths1), rej1)] + 1
-    ).tolist()  # next position per request
+    anchors = (pos1[qsl_of(lengths1)[1:] - 1 - rej1] + 1).tolist()  # next position per request
     lengths2 = [4, 4, 4]
     pos2 = contiguous_positions(anchors, lengths2)
     kv2 = torch.randn(pos2.numel(), dim, generator=gen).to(torch.bfloat16)
     rej2 = torch.tensor([3, 0, 2])
-    assert not dr.is_ragged(qsl_of(lengths2))
-    dr.store_context_kv(cache, cache_pos, kv2, pos2, qsl_of(lengths2), slots, rej2)
+    assert store(cache, cache_pos, kv2, pos2, qsl_of(lengths2), slots, rej2).uniform
 
     # Per request, one request at a time.
     for r in range(3):
@@ -259,11 +283,11 @@ def test_rejected_rows_never_overwrite_live_context():
     cache_pos = torch.full((1, window), -1)
     # Context 0..3 fills the ring.
     ctx = torch.arange(4.0)[:, None].expand(4, dim).contiguous()
-    dr.store_context_kv(cache, cache_pos, ctx, torch.arange(4), qsl_of([4]), torch.tensor([0]))
+    store(cache, cache_pos, ctx, torch.arange(4), qsl_of([4]), torch.tensor([0]))
     # Verify rows at 4..7: anchor accepted, 3 drafts rejected. Positions 5, 6, 7 alias
     # cells 1, 2, 3, which hold 1, 2, 3: still inside the next window [1, 4].
     verify = torch.full((4, dim), 99.0)
-    dr.store_context_kv(
+    store(
         cache,
         cache_pos,
         verify,
@@ -284,9 +308,7 @@ def test_long_segment_keeps_last_window_of_accepted_positions():
     cache_pos = torch.full((2, window), -1)
     positions = torch.arange(100, 130)  # 30 rows
     kv = positions.float()[:, None].expand(30, dim).contiguous()
-    dr.store_context_kv(
-        cache, cache_pos, kv, positions, qsl_of([30]), torch.tensor([1]), torch.tensor([5])
-    )
+    store(cache, cache_pos, kv, positions, qsl_of([30]), torch.tensor([1]), torch.tensor([5]))
     # Accepted 100..124; the last 8 are 117..124.
     assert sorted(cache_pos[1].tolist()) == list(range(117, 125))
     for c in range(window):
@@ -328,7 +350,7 @@ def test_non_contiguous_kv_and_cache_views(lo, hi):
     positions = contiguous_positions([3, 0, 10], lengths)
     run_both(cache, cache_pos, kv, positions, qsl_of(lengths), torch.tensor([2, 0, 1]), None)
     # run_both stores into clones; store into the view itself and check its neighbours.
-    dr.store_context_kv(cache, cache_pos, kv, positions, qsl_of(lengths), torch.tensor([2, 0, 1]))
+    store(cache, cache_pos, kv, positions, qsl_of(lengths), torch.tensor([2, 0, 1]))
     after = torch.cat([wide_cache[:, :, :lo], wide_cache[:, :, hi:]], dim=2)
     assert_bitwise_equal(after, untouched)
 
@@ -337,7 +359,7 @@ def test_empty_and_fully_rejected_segments_write_nothing():
     cache = torch.ones(3, 4, 2)
     cache_pos = torch.full((3, 4), 7)
     kv = torch.zeros(5, 2)
-    dr.store_context_kv(
+    store(
         cache,
         cache_pos,
         kv,
@@ -357,34 +379,54 @@ def test_empty_and_fully_rejected_segments_write_nothing():
 # ---------------------------------------------------------------------------
 
 
-def test_segment_lengths_is_ragged_and_anchor_rows():
-    qsl = torch.tensor([0, 6, 12, 18], dtype=torch.int32)
-    assert dr.segment_lengths(qsl).tolist() == [6, 6, 6]
-    assert dr.segment_lengths(qsl).dtype == torch.int64
-    assert not dr.is_ragged(qsl)
-    assert not dr.is_ragged(torch.tensor([0, 300]))
-    assert not dr.is_ragged(torch.tensor([0]))
-    assert dr.is_ragged(torch.tensor([0, 256, 262, 268]))
-    assert dr.anchor_rows(qsl).tolist() == [5, 11, 17]
-    rows = dr.anchor_rows(torch.tensor([0, 256, 262, 268]), torch.tensor([0, 2, 5]))
-    assert rows.dtype == torch.int64 and rows.tolist() == [255, 259, 262]
+def _plan(qsl, slots=None, bound=None, window=8, num_slots=8):
+    slots = list(range(len(qsl) - 1)) if slots is None else slots
+    return dr.plan_store(torch.tensor(qsl), slots, bound, window=window, num_slots=num_slots)
+
+
+def test_plan_layout_flat_and_ragged():
+    flat = _plan([0, 6, 12, 18], bound=[1, 0, 5])
+    assert flat.uniform and flat.seg_len == 6 and flat.num_rows == 18
+    assert flat.seg_end.tolist() == [6, 12, 18] and flat.max_rejected_rows == 6
+    assert flat.num_candidates == 3 * 6  # min(6, W + max bound) columns per request
+    assert _plan([0, 300]).uniform and not _plan([0]).uniform and _plan([0]).num_candidates == 0
+    # Ragged: each request's last min(len, W + bound) rows, in packed order.
+    ragged = _plan([0, 20, 22, 30], bound=[0, 1, 3], window=4)
+    assert not ragged.uniform
+    assert ragged.cand_rows.tolist() == [*range(16, 20), 20, 21, *range(23, 30)]
+    assert ragged.cand_req.tolist() == [0] * 4 + [1] * 2 + [2] * 7
+    assert ragged.slots.dtype == torch.int64 and ragged.slots.tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize(
     ("call", "needle"),
     [
-        (lambda: dr.segment_lengths(torch.tensor([1, 3])), r"query_start_loc\[0\]"),
-        (lambda: dr.is_ragged(torch.tensor([0, 3, 2])), "non-decreasing"),
-        (lambda: dr.is_ragged(torch.tensor([0.0, 3.0])), "integer"),
-        (lambda: dr.segment_lengths(torch.zeros(0, dtype=torch.int64)), r"R\+1"),
-        (lambda: dr.anchor_rows(torch.tensor([0, 3, 5]), torch.tensor([0])), "num_rejected"),
-        (lambda: dr.anchor_rows(torch.tensor([0, 3, 5]), torch.tensor([0, 2])), "< segment"),
-        (lambda: dr.anchor_rows(torch.tensor([0, 3, 5]), torch.tensor([-1, 0])), ">= 0"),
+        (lambda: _plan([1, 3]), r"query_start_loc\[0\] must be 0"),
+        (lambda: _plan([0, 3, 2]), "non-decreasing: request 1"),
+        (lambda: _plan([0.0, 3.0]), "query_start_loc must be an integer"),
+        (lambda: _plan([]), r"R\+1"),
+        (lambda: _plan([[0, 3]], slots=[0]), "query_start_loc must have shape"),
+        (lambda: _plan([0, 3, 5], bound=[0]), "num_rejected must have shape"),
+        (lambda: _plan([0, 3, 5], bound=[0, 3]), "num_rejected.* must be <= segment length"),
+        (lambda: _plan([0, 3, 5], bound=[-1, 0]), "num_rejected must be >= 0"),
+        (lambda: _plan([0, 3, 5], bound=[0.0, 1.0]), "num_rejected must be an integer"),
+        (lambda: _plan([0, 3, 5], slots=[0]), r"slots must have shape \[R\]"),
+        (lambda: _plan([0, 3, 5], slots=[0, 8]), r"slots must be in \[0, S=8\)"),
+        (lambda: _plan([0, 3, 5], slots=[-1, 0]), "slots must be in"),
+        (lambda: _plan([0, 3, 5], slots=[2, 2]), "slots must be distinct"),
+        (lambda: _plan([0, 3], window=0), "window must be an int >= 1"),
+        (lambda: _plan([0, 3], num_slots=True), "num_slots must be an int >= 1"),
     ],
 )
-def test_layout_helpers_reject_bad_input(call, needle):
+def test_plan_rejects_bad_input_with_its_own_message(call, needle):
     with pytest.raises(ValueError, match=needle):
         call()
+
+
+def test_plan_refuses_device_tensors_it_would_have_to_read():
+    meta_qsl = torch.tensor([0, 3]).to("meta")
+    with pytest.raises(ValueError, match="query_start_loc must be a host"):
+        dr.plan_store(meta_qsl, [0], window=4, num_slots=2)
 
 
 # ---------------------------------------------------------------------------
@@ -408,16 +450,11 @@ def test_window_mask_matches_reference(window, num_requests, seed):
     assert torch.equal(got, reference_mask(cache_pos, slots, anchors, window))
 
 
-def test_window_mask_rejects_bad_input():
-    cache_pos = torch.full((2, 4), -1)
-    with pytest.raises(ValueError, match="W must be"):
-        dr.window_mask(cache_pos, torch.tensor([0]), torch.tensor([3]), 5)
-    with pytest.raises(ValueError, match="slots must be in"):
-        dr.window_mask(cache_pos, torch.tensor([2]), torch.tensor([3]), 4)
-    with pytest.raises(ValueError, match="anchor_positions"):
-        dr.window_mask(cache_pos, torch.tensor([0, 1]), torch.tensor([3]), 4)
-    with pytest.raises(ValueError, match="cache_pos must be int64"):
-        dr.window_mask(cache_pos.int(), torch.tensor([0]), torch.tensor([3]), 4)
+def test_window_mask_pad_rows_attend_nothing():
+    """A draft pad row reads the scratch row with anchor 0: no cell is visible."""
+    cache_pos = torch.tensor([[0, 1, 2, 3], [7, 4, 5, 6]])
+    mask = dr.window_mask(cache_pos, torch.tensor([1, 0]), torch.tensor([0, 0]), 4)
+    assert not mask.any()
 
 
 # ---------------------------------------------------------------------------
@@ -430,7 +467,7 @@ def _decode_step(table, cache, cache_pos, req_ids, next_pos, kv_value):
     slots = table.assign(req_ids)
     positions = torch.tensor([next_pos[r] for r in req_ids])
     kv = torch.tensor([[float(kv_value[r](next_pos[r]))] for r in req_ids])
-    dr.store_context_kv(cache, cache_pos, kv, positions, qsl_of([1] * len(req_ids)), slots)
+    store(cache, cache_pos, kv, positions, qsl_of([1] * len(req_ids)), slots)
     for r in req_ids:
         next_pos[r] += 1
     return slots
@@ -445,16 +482,14 @@ def test_slot_table_reorder_and_condense_keep_context_with_request():
     next_pos = {"a": 0, "b": 0, "c": 0}
 
     first = _decode_step(table, cache, cache_pos, ["a", "b", "c"], next_pos, value)
-    assert first.tolist() == [0, 1, 2]
+    assert first == [0, 1, 2]
     # vLLM reorders the batch: rows move, slots do not.
-    assert _decode_step(table, cache, cache_pos, ["c", "a", "b"], next_pos, value).tolist() == [
-        2,
-        0,
-        1,
-    ]
+    assert _decode_step(table, cache, cache_pos, ["c", "a", "b"], next_pos, value) == [2, 0, 1]
     # "b" finishes; the batch condenses and "c" moves to batch row 1.
-    assert table.release("b", cache_pos) == 1
-    assert _decode_step(table, cache, cache_pos, ["a", "c"], next_pos, value).tolist() == [0, 2]
+    freed = table.release(["b"])
+    assert freed == [1]
+    dr.clear_slots(cache_pos, freed)
+    assert _decode_step(table, cache, cache_pos, ["a", "c"], next_pos, value) == [0, 2]
     # Each ring row holds only its own request's values, at its own positions.
     for req, slot in (("a", 0), ("c", 2)):
         held = sorted(int(p) for p in cache_pos[slot] if p >= 0)
@@ -463,7 +498,7 @@ def test_slot_table_reorder_and_condense_keep_context_with_request():
             if cache_pos[slot, c] >= 0:
                 assert cache[slot, c, 0].item() == value[req](int(cache_pos[slot, c]))
     # A new request takes the lowest free row (the one "b" released).
-    assert table.assign(["a", "d", "c"]).tolist() == [0, 1, 2]
+    assert table.assign(["a", "d", "c"]) == [0, 1, 2]
     assert len(table) == 3 and table.num_free == 1 and "d" in table and "b" not in table
 
 
@@ -475,18 +510,18 @@ def test_reused_slot_does_not_expose_old_context():
     # Request "old" fills row 0 with positions 92..99.
     slot = table.assign(["old"])
     positions = torch.arange(92, 100)
-    dr.store_context_kv(cache, cache_pos, torch.ones(8, 1), positions, qsl_of([8]), slot)
-    assert table.release("old", [cache_pos]) == 0
+    store(cache, cache_pos, torch.ones(8, 1), positions, qsl_of([8]), slot)
+    freed = table.release(["old"])
+    assert freed == [0]
+    dr.clear_slots(cache_pos, freed)
     assert (cache_pos[0] == -1).all()
 
     # Request "new" reuses row 0 after a prefix-cache hit: it only stores 96..97,
     # so the cells for 90..95 are holes. Its anchor is 98: window [90, 98).
     slot = table.assign(["new"])
-    assert slot.tolist() == [0]
-    dr.store_context_kv(
-        cache, cache_pos, torch.full((2, 1), 5.0), torch.tensor([96, 97]), qsl_of([2]), slot
-    )
-    mask = dr.window_mask(cache_pos, slot, torch.tensor([98]), window)
+    assert slot == [0]
+    store(cache, cache_pos, torch.full((2, 1), 5.0), torch.tensor([96, 97]), qsl_of([2]), slot)
+    mask = dr.window_mask(cache_pos, torch.tensor(slot), torch.tensor([98]), window)
     visible = sorted(int(cache_pos[0, c]) for c in range(window) if mask[0, c])
     assert visible == [96, 97]
     assert (cache[0][mask[0]] == 5.0).all()
@@ -500,138 +535,12 @@ def test_slot_table_full_and_bad_input():
     assert "c" not in table and table.num_free == 0  # all-or-nothing
     with pytest.raises(ValueError, match="distinct"):
         table.assign(["a", "a"])
-    assert table.release("never-seen") is None
+    assert table.release(["never-seen"]) == []
     with pytest.raises(ValueError, match="num_slots"):
         dr.SlotTable(0)
-    with pytest.raises(ValueError, match="cache_pos"):
-        table.release("a", torch.full((3, 4), -1))
-    assert "a" in table  # a failed release frees nothing
 
 
 def test_clear_slots():
     cache_pos = torch.arange(12).view(3, 4)
     dr.clear_slots(cache_pos, [0, 2])
     assert cache_pos.tolist() == [[-1] * 4, [4, 5, 6, 7], [-1] * 4]
-    with pytest.raises(ValueError, match="slots must be in"):
-        dr.clear_slots(cache_pos, [3])
-
-
-# ---------------------------------------------------------------------------
-# Invalid input: ValueError naming the argument, nothing written
-# ---------------------------------------------------------------------------
-
-
-def _valid_args():
-    gen = torch.Generator().manual_seed(1)
-    lengths = [5, 2, 3]
-    return {
-        "cache": torch.randn(4, 4, 3, generator=gen),
-        "cache_pos": torch.randint(-1, 50, (4, 4), generator=gen),
-        "kv": torch.randn(10, 3, generator=gen),
-        "positions": contiguous_positions([0, 7, 20], lengths),
-        "query_start_loc": qsl_of(lengths),
-        "slots": torch.tensor([3, 0, 1]),
-        "num_rejected": torch.tensor([0, 1, 2]),
-    }
-
-
-BAD_INPUTS = {
-    "cache 2-D": ("cache", lambda a: a["cache"][0], "cache must have shape"),
-    "cache_pos shape": ("cache_pos", lambda a: a["cache_pos"][:3], "cache_pos must have shape"),
-    "cache_pos dtype": ("cache_pos", lambda a: a["cache_pos"].int(), "cache_pos must be int64"),
-    "kv width": ("kv", lambda a: a["kv"][:, :2], r"kv must have shape \[T, D\]"),
-    "kv dtype": ("kv", lambda a: a["kv"].double(), "kv must have the cache dtype"),
-    "kv not tensor": ("kv", lambda a: a["kv"].tolist(), "kv must be a torch.Tensor"),
-    "positions length": ("positions", lambda a: a["positions"][:9], "positions must have shape"),
-    "positions float": (
-        "positions",
-        lambda a: a["positions"].float(),
-        "positions must be an integer",
-    ),
-    "positions negative": ("positions", lambda a: a["positions"] - 3, "positions must be >= 0"),
-    "positions not increasing": (
-        "positions",
-        lambda a: a["positions"].flip(0),
-        "positions must be strictly increasing",
-    ),
-    "positions repeated": (
-        "positions",
-        lambda a: torch.tensor([0, 1, 1, 2, 3, 7, 8, 20, 21, 22]),
-        "positions must be strictly increasing",
-    ),
-    "qsl start": (
-        "query_start_loc",
-        lambda a: torch.tensor([1, 5, 7, 10]),
-        r"query_start_loc\[0\]",
-    ),
-    "qsl decreasing": (
-        "query_start_loc",
-        lambda a: torch.tensor([0, 7, 5, 10]),
-        "query_start_loc must be non-decreasing",
-    ),
-    "qsl end": ("query_start_loc", lambda a: torch.tensor([0, 5, 7, 9]), r"query_start_loc\[-1\]"),
-    "qsl 2-D": (
-        "query_start_loc",
-        lambda a: a["query_start_loc"][None],
-        "query_start_loc must have shape",
-    ),
-    "slots length": ("slots", lambda a: torch.tensor([3, 0]), r"slots must have shape \[R\]"),
-    "slots range": ("slots", lambda a: torch.tensor([3, 0, 4]), r"slots must be in \[0, S=4\)"),
-    "slots negative": ("slots", lambda a: torch.tensor([3, -1, 1]), "slots must be in"),
-    "slots repeated": ("slots", lambda a: torch.tensor([3, 0, 3]), "slots must be distinct"),
-    "rejected length": (
-        "num_rejected",
-        lambda a: torch.tensor([0, 1]),
-        "num_rejected must have shape",
-    ),
-    "rejected negative": (
-        "num_rejected",
-        lambda a: torch.tensor([0, -1, 0]),
-        "num_rejected must be >= 0",
-    ),
-    "rejected too many": (
-        "num_rejected",
-        lambda a: torch.tensor([0, 3, 0]),
-        "num_rejected.* must be <= segment length",
-    ),
-    "rejected float": (
-        "num_rejected",
-        lambda a: a["num_rejected"].float(),
-        "num_rejected must be an integer",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_invalid_input_raises_and_writes_nothing(case):
-    name, mutate, message = BAD_INPUTS[case]
-    args = _valid_args()
-    cache, cache_pos = args["cache"], args["cache_pos"]
-    cache_before, pos_before = cache.clone(), cache_pos.clone()
-    args[name] = mutate(args)  # a mutated cache is a view of, or copied from, the original
-    with pytest.raises(ValueError, match=message):
-        dr.store_context_kv(**args)
-    assert torch.equal(bits(cache), bits(cache_before))
-    assert torch.equal(cache_pos, pos_before)
-    assert torch.equal(
-        bits(args["cache"]), bits(cache_before[0] if case == "cache 2-D" else cache_before)
-    )
-
-
-def test_valid_args_fixture_is_valid():
-    """Guards the invalid-input table: the unmutated arguments must store fine."""
-    args = _valid_args()
-    run_both(
-        *(
-            args[k]
-            for k in (
-                "cache",
-                "cache_pos",
-                "kv",
-                "positions",
-                "query_start_loc",
-                "slots",
-                "num_rejected",
-            )
-        )
-    )

@@ -21,6 +21,7 @@ from support.net import free_port
 from support.overlay import load_overlay_module
 
 pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
 
 # The TP=2 fixture joins its processes with a timeout too; this is the outer guard.
 pytestmark = pytest.mark.timeout(300)
@@ -132,16 +133,18 @@ def build_scenario(name: str) -> dict:
         positions[qsl[r] : qsl[r + 1]] = torch.arange(start, start + qsl[r + 1] - qsl[r])
     caches = []
     for _ in range(layers):
-        cache = torch.randn(num_slots, window, dim, generator=gen).to(dtype)
+        # num_slots live ring rows plus the scratch row the store drops rejected rows into.
+        cache = torch.randn(num_slots + 1, window, dim, generator=gen).to(dtype)
         # Older context in every ring row, some cells empty: must survive where not written.
-        cache_pos = torch.randint(0, 50, (num_slots, window), generator=gen)
-        cache_pos[torch.rand(num_slots, window, generator=gen) < 0.3] = -1
+        cache_pos = torch.randint(0, 50, (num_slots + 1, window), generator=gen)
+        cache_pos[torch.rand(num_slots + 1, window, generator=gen) < 0.3] = -1
         caches.append((cache, cache_pos))
     return {
         "qsl": qsl,
         "positions": positions,
         "features": torch.randn(num, 2 * dim, generator=gen).to(dtype),
         "slots": slots,
+        "num_slots": num_slots,
         "rejected": rejected,
         "caches": caches,
         "window": window,
@@ -166,7 +169,9 @@ def run_ingest(sc: dict, tp: int, rank: int, group, request: int | None = None) 
         slots = slots[request : request + 1]
         rejected = None if rejected is None else rejected[request : request + 1]
     caches = [(c.clone(), p.clone()) for c, p in sc["caches"]]
-    plan = pp.plan_packed_prefill(torch.tensor(qsl, dtype=torch.int32), tp)
+    qsl = torch.tensor(qsl, dtype=torch.int32)
+    plan = pp.plan_packed_prefill(qsl, tp, rank=rank, group=group)
+    store = dr.plan_store(qsl, slots, rejected, window=sc["window"], num_slots=sc["num_slots"])
     project = make_project(sc["layers"], sc["dim"], sc["dtype"])
     calls = []
 
@@ -176,13 +181,11 @@ def run_ingest(sc: dict, tp: int, rank: int, group, request: int | None = None) 
 
     full = pp.ingest_packed_prefill(
         plan,
-        rank,
-        group,
+        store,
         sc["features"][rows],
         sc["positions"][rows],
         spy,
         caches,
-        slots,
         max_model_len=sc["max_model_len"],
         num_rejected=rejected,
     )
@@ -211,7 +214,9 @@ def reference_caches(sc: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def assert_caches_equal(got, want, what: str) -> None:
+    """Live ring rows equal bitwise; the last row is scratch (dropped rows land there)."""
     for k, ((c, p), (wc, wp)) in enumerate(zip(got, want, strict=True)):
+        c, p, wc, wp = c[:-1], p[:-1], wc[:-1], wp[:-1]
         assert torch.equal(p, wp), f"{what}: cache_pos of layer {k} differs"
         assert torch.equal(c.view(torch.uint8), wc.view(torch.uint8)), (
             f"{what}: cache of layer {k} differs"
@@ -353,6 +358,8 @@ PLAN_ERRORS = [
     ("tp zero", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 0), r"tp_size must be an int >= 1, got 0"),
     ("tp bool", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), True), r"tp_size must be an int >= 1, got True"),
     ("max_tokens", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, max_tokens=0), r"max_tokens must be an int >= 1"),
+    ("rank", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, rank=1), r"rank must be an int in \[0, 1\)"),
+    ("group uninit", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, group=object()), r"torch\.distributed is not initialized"),
 ]  # fmt: skip
 
 
@@ -363,17 +370,6 @@ def _plan2():
 HELPER_ERRORS = [
     ("rank high", lambda: pp.local_request_ids(_plan2(), 2), r"rank must be an int in \[0, 2\) \(tp_size\), got 2"),
     ("rank neg", lambda: pp.local_request_ids(_plan2(), -1), r"rank must be an int in \[0, 2\) \(tp_size\), got -1"),
-    ("not a plan", lambda: pp.local_request_ids(torch.tensor([0, 3]), 0), r"plan must be a PackedPrefill"),
-    ("pos rows", lambda: pp.pad_positions(_plan2(), torch.arange(8), 100), r"positions must have N=7 rows.*got shape \(8,\)"),
-    ("pos 2d", lambda: pp.pad_positions(_plan2(), torch.zeros(7, 1, dtype=torch.long), 100), r"positions must be 1-D \[N=7\], got shape \(7, 1\)"),
-    ("pos float", lambda: pp.pad_positions(_plan2(), torch.zeros(7), 100), r"positions must have an integer dtype"),
-    ("pos range", lambda: pp.pad_positions(_plan2(), torch.arange(7) + 95, 100), r"positions must lie in \[0, max_model_len=100\), got min 95, max 101"),
-    ("max len", lambda: pp.pad_positions(_plan2(), torch.arange(7), 0), r"max_model_len must be an int >= 1, got 0"),
-    ("slot rows", lambda: pp.pad_slot_mapping(_plan2(), torch.arange(6)), r"slot_mapping must have N=7 rows"),
-    ("slot float", lambda: pp.pad_slot_mapping(_plan2(), torch.zeros(7)), r"slot_mapping must have an integer dtype"),
-    ("slot value", lambda: pp.pad_slot_mapping(_plan2(), torch.arange(7) - 2), r"slot_mapping values must be >= -1 .*got -2"),
-    ("hidden rows", lambda: pp.pad_rows(_plan2(), torch.zeros(8, 4)), r"hidden must have N=7 rows.*got shape \(8, 4\)"),
-    ("hidden 0d", lambda: pp.pad_rows(_plan2(), torch.tensor(1.0)), r"hidden must have N=7 rows.*got shape \(\)"),
     ("table rows", lambda: pp.validate_request_tables(_plan2(), slots=torch.zeros(2), block_table=torch.zeros(3, 16)), r"'block_table' has shape \(3, 16\).*R=2"),
     ("table 0d", lambda: pp.validate_request_tables(_plan2(), start_pos=torch.tensor(4)), r"'start_pos' has shape \(\).*R=2"),
     ("table type", lambda: pp.validate_request_tables(_plan2(), state=[1, 2]), r"'state' must be a torch\.Tensor.*R=2, got list"),
@@ -396,75 +392,19 @@ def _ingest_case(**overrides):
         calls.append(1)
         return project(x, pos)
 
+    qsl = torch.tensor(sc["qsl"])
     kwargs = {
-        "plan": pp.plan_packed_prefill(torch.tensor(sc["qsl"]), 1),
-        "rank": 0,
-        "group": None,
+        "plan": pp.plan_packed_prefill(qsl, 1),
+        "store": dr.plan_store(qsl, sc["slots"], window=sc["window"], num_slots=sc["num_slots"]),
         "features": sc["features"],
         "positions": sc["positions"],
         "project": spy,
         "kv_caches": sc["caches"],
-        "slots": torch.tensor(sc["slots"]),
         "max_model_len": sc["max_model_len"],
         "num_rejected": None,
     }
     kwargs.update(overrides)
     return kwargs, calls
-
-
-def _caches(**kw):
-    sc = build_scenario("straddle")
-    (c, p), second = sc["caches"][0], sc["caches"][1]
-    c, p = kw.get("cache", c), kw.get("cache_pos", p)
-    return [(c, p), second]
-
-
-INGEST_ERRORS = [
-    ("plan", {"plan": "plan"}, r"plan must be a PackedPrefill"),
-    ("rank", {"rank": 1}, r"rank must be an int in \[0, 1\)"),
-    ("group none", {"plan": pp.plan_packed_prefill(torch.tensor([0, 3, 7]), 2)}, r"group must be a torch\.distributed ProcessGroup when tp_size=2"),
-    ("group uninit", {"group": object()}, r"torch\.distributed is not initialized"),
-    ("features rows", {"features": torch.zeros(6, 8)}, r"features must have N=7 rows.*got shape \(6, 8\)"),
-    ("positions rows", {"positions": torch.arange(8)}, r"positions must have N=7 rows"),
-    ("positions range", {"max_model_len": 100}, r"positions must lie in \[0, max_model_len=100\), got min 30, max 128"),
-    ("positions order", {"positions": torch.tensor([126, 127, 127, 30, 31, 32, 33])}, r"strictly increasing within each request: row 2 has position 127 after 127"),
-    ("positions straddle", {"positions": torch.tensor([126, 127, 128, 30, 31, 31, 33])}, r"row 5 has position 31 after 31"),
-    ("caches empty", {"kv_caches": []}, r"kv_caches must be a non-empty sequence"),
-    ("caches pair", {"kv_caches": [(torch.zeros(4, 4, 4),)]}, r"kv_caches\[0\] must be a \(cache, cache_pos\) pair"),
-    ("cache 2d", {"kv_caches": _caches(cache=torch.zeros(4, 16))}, r"kv_caches\[0\] cache must be a 3-D tensor \[S, W, D\], got \(4, 16\)"),
-    ("cache int", {"kv_caches": _caches(cache=torch.zeros(4, 4, 4, dtype=torch.int32))}, r"kv_caches\[0\] cache must be floating point"),
-    ("cache_pos dtype", {"kv_caches": _caches(cache_pos=torch.zeros(4, 4, dtype=torch.int32))}, r"cache_pos must be int64 \[S, W\]=\[4, 4\], got \(4, 4\) torch\.int32"),
-    ("cache_pos shape", {"kv_caches": _caches(cache_pos=torch.zeros(4, 5, dtype=torch.int64))}, r"cache_pos must be int64 \[S, W\]=\[4, 4\], got \(4, 5\) torch\.int64"),
-    ("layers differ", {"kv_caches": _caches()[:1] + [(torch.zeros(4, 4, 8), torch.zeros(4, 4, dtype=torch.int64))]}, r"kv_caches\[1\] cache is \(4, 4, 8\).*must match kv_caches\[0\]"),
-    ("slots missing", {"slots": None}, r"slots must be a 1-D integer tensor \[R=2\], got None"),
-    ("slots float", {"slots": torch.tensor([3.0, 1.0])}, r"slots must be a 1-D integer tensor \[R=2\], got \(2,\) torch\.float32"),
-    ("slots rows", {"slots": torch.tensor([3, 1, 0])}, r"request table 'slots' has shape \(3,\).*R=2"),
-    ("slots range", {"slots": torch.tensor([3, 4])}, r"slots must lie in \[0, S=4\), got min 3, max 4"),
-    ("slots distinct", {"slots": torch.tensor([1, 1])}, r"slots must be distinct"),
-    ("rejected rows", {"num_rejected": torch.tensor([0, 0, 0])}, r"request table 'num_rejected' has shape \(3,\).*R=2"),
-    ("rejected dtype", {"num_rejected": torch.tensor([0.0, 1.0])}, r"num_rejected must be a 1-D integer \[R=2\] tensor"),
-    ("rejected range", {"num_rejected": torch.tensor([0, 5])}, r"num_rejected\[r\] must lie in \[0, request r's row count\]"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(("name", "overrides", "match"), INGEST_ERRORS)
-def test_ingest_validation_errors_compute_and_write_nothing(name, overrides, match, monkeypatch):
-    # Other tests in the same process (vLLM engines) may have initialised torch.distributed.
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    kwargs, calls = _ingest_case(**overrides)
-    caches = kwargs["kv_caches"]
-    before = [
-        (c.clone(), p.clone())
-        for pair in caches
-        if isinstance(pair, tuple) and len(pair) == 2
-        for c, p in [pair]
-    ]
-    with pytest.raises(ValueError, match=match):
-        pp.ingest_packed_prefill(**kwargs)
-    assert calls == [], "project ran before validation finished"
-    after = [pair for pair in caches if isinstance(pair, tuple) and len(pair) == 2]
-    for (c, p), (bc, bp) in zip(after, before, strict=True):
-        assert torch.equal(c, bc) and torch.equal(p, bp), "a cache was written"
 
 
 @pytest.mark.parametrize(
@@ -483,25 +423,22 @@ def test_bad_projection_output_writes_nothing(name, bad, match):
     assert_caches_equal(kwargs["kv_caches"], before, name)
 
 
+def test_tp2_ingestion_without_a_group_is_refused_before_projecting():
+    kwargs, calls = _ingest_case(plan=pp.plan_packed_prefill(torch.tensor([0, 3, 7]), 2))
+    with pytest.raises(ValueError, match="plan.group must be a torch.distributed ProcessGroup"):
+        pp.ingest_packed_prefill(**kwargs)
+    assert calls == []
+
+
 def test_every_validation_error_has_its_own_message(monkeypatch):
     """Distinct checks give distinct messages (per entry point; shared checks may repeat)."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    groups = []
     for cases in (PLAN_ERRORS, HELPER_ERRORS):
         messages = []
         for _, call, _ in cases:
             with pytest.raises(ValueError) as err:
                 call()
             messages.append(str(err.value))
-        groups.append(messages)
-    messages = []
-    for _, overrides, _ in INGEST_ERRORS:
-        kwargs, _ = _ingest_case(**overrides)
-        with pytest.raises(ValueError) as err:
-            pp.ingest_packed_prefill(**kwargs)
-        messages.append(str(err.value))
-    groups.append(messages)
-    for messages in groups:
         assert len(set(messages)) == len(messages), messages
 
 
@@ -655,15 +592,13 @@ def test_tp2_straddling_request_and_interleaved_rows(tp2):
             # Rows 0 and 2 belong to other requests and are untouched.
             for row in (0, 2):
                 assert torch.equal(cache[row], c0[row]) and torch.equal(cache_pos[row], p0[row])
-            # The pad (position 129) was written nowhere.
+            # The pad (position 129) was written nowhere, not even in the scratch row.
             assert not (cache_pos == 129).any()
 
 
 def test_group_that_is_not_a_process_group_is_refused(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    kwargs, calls = _ingest_case(group=object())
     with pytest.raises(
         ValueError, match="group must be a torch.distributed ProcessGroup, got object"
     ):
-        pp.ingest_packed_prefill(**kwargs)
-    assert calls == []
+        pp.plan_packed_prefill(torch.tensor([0, 3]), 1, group=object())

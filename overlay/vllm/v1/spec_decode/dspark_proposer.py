@@ -4,21 +4,23 @@ One call per engine step, after the target has verified the previous drafts:
 
 1. Release the ring rows of finished / preempted requests; map this step's request ids to
    stable ring rows (``SlotTable``: KV follows the request id, never the batch row).
-2. Ingest the step's context rows: ``main_x`` from the target's aux hidden states, then
+2. Plan the step on the host (``dspark_step.plan_step``): layout, checks, counters, one
+   copy of the plan's index tensors to the device. Nothing below reads device data back.
+3. Ingest the step's context rows: ``main_x`` from the target's aux hidden states, then
    every draft layer's latent KV, stored into the request's ring. Only accepted rows are
    written (rejected verify rows never); uniform steps take the flat path, mixed steps
    (prefill chunks + verify rows of different lengths) the ragged path; no step is ever
    skipped. Large chunks go through the packed multi-request prefill (rows split across
    TP ranks, all-gathered). See ``dspark_ragged`` and ``packed_prefill``.
-3. Draft one block per request: anchor = the bonus token (or, for a request still in
-   chunked prefill, the next prompt token; its drafts are discarded by the scheduler),
-   block ``[anchor, noise x (N-1)]`` at positions ``p..p+N-1`` attending the request's
-   valid window + the block, then the Markov head left to right. Greedy or
-   probabilistic; for probabilistic drafting the draft distributions are kept for the
-   rejection sampler (``take_last_draft_probs``).
+4. Draft one block per request (batch padded to a capture size, static shapes): anchor =
+   the bonus token (or, for a request still in chunked prefill, the next prompt token;
+   its drafts are discarded by the scheduler), block ``[anchor, noise x (N-1)]`` at
+   positions ``p..p+N-1`` attending the request's valid window + the block, then the
+   Markov head left to right. Greedy or probabilistic; for probabilistic drafting the
+   draft distributions are kept for the rejection sampler (``take_last_draft_probs``).
 
-The runner glue (``propose_from_runner``) turns the V1 runner's step state into the
-narrow ``propose`` arguments; the overlay's runner patch calls it.
+The runner glue (``dspark_runner.propose_from_runner``) turns the V1 runner's step state
+into the narrow ``propose`` arguments; the overlay's runner patch calls it.
 
 Why a runner patch and not ``method="custom_class"``: the V1 runner builds a custom proposer
 from the VllmConfig alone and calls ``propose(sampled_token_ids, num_tokens_no_spec,
@@ -31,39 +33,38 @@ feed it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4.common.dspark_draft import DraftContext, draft_hf_config
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
-from vllm.models.deepseek_v4.common.packed_prefill import (
-    MAX_PACKED_TOKENS,
-    ingest_packed_prefill,
-    plan_packed_prefill,
-)
+from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark_ragged import (
     SlotTable,
-    anchor_rows,
-    is_ragged,
+    allocate_rings,
+    clear_slots,
     store_context_kv,
     window_mask,
 )
-
-if TYPE_CHECKING:
-    from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.dspark_step import (
+    StepPlan,
+    capture_sizes,
+    draft_anchor_positions,
+    plan_step,
+)
 
 logger = init_logger(__name__)
 
-__all__ = ["DSparkCounters", "DSparkProposer", "DSparkStepRecord", "propose_from_runner"]
+__all__ = ["DSparkCounters", "DSparkProposer"]
 
 
 @dataclass
 class DSparkCounters:
-    """Cumulative step statistics; tests and the demo read these, not logs."""
+    """Cumulative step statistics; tests, the demo and the metrics read these, not logs."""
 
     steps: int = 0
     flat_steps: int = 0  # every request carried the same number of rows
@@ -82,53 +83,15 @@ class DSparkCounters:
         return asdict(self)
 
 
-@dataclass
-class DSparkStepRecord:
-    """What one step did, handed to ``DSparkProposer.step_observer`` (tests)."""
-
-    req_ids: list[str]
-    slots: torch.Tensor  # [R] ring rows
-    query_start_loc: torch.Tensor  # [R+1]
-    positions: torch.Tensor  # [T]
-    input_ids: torch.Tensor | None  # [T] target input tokens of the rows, if known
-    context_kv: torch.Tensor  # [T, K, D] projected KV of every row (stored or not)
-    num_rejected: torch.Tensor  # [R]
-    anchor_positions: torch.Tensor  # [R]
-    anchor_tokens: torch.Tensor  # [R]
-    draft_tokens: torch.Tensor  # [R, num_speculative_tokens]
-    ring: torch.Tensor  # [R, W, K, D] the requests' rings after the store
-    ring_pos: torch.Tensor  # [R, W]
-    window: torch.Tensor  # [R, W] the cells the block attended
-
-
-@dataclass
-class _Step:
-    """Per-step inputs of ``propose`` after validation."""
-
-    req_ids: list[str]
-    qsl: torch.Tensor
-    positions: torch.Tensor
-    num_rejected: torch.Tensor
-    anchors: torch.Tensor
-    prefilling: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class DSparkProposer:
     """Drafts ``[R, N]`` tokens per step for DeepSeek-V4 DSpark on the V1 runner."""
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        device: torch.device | str,
-        runner: Any = None,
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
         spec = vllm_config.speculative_config
         if spec is None or not spec.use_dspark():
             raise ValueError("DSparkProposer needs speculative_config.method == 'dspark'")
         self.vllm_config = vllm_config
         self.device = torch.device(device)
-        self.runner = runner
         hf = draft_hf_config(vllm_config)
         self.block_size = int(getattr(hf, "dspark_block_size", 0) or 0)
         self.num_speculative_tokens = int(spec.num_speculative_tokens)
@@ -144,24 +107,45 @@ class DSparkProposer:
         self.max_position = int(hf.max_position_embeddings)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.draft_sizes = capture_sizes(self.max_num_seqs)
         self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.dtype = vllm_config.model_config.dtype
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.slot_table = SlotTable(self.max_num_seqs, device=self.device)
+        self.slot_table = SlotTable(self.max_num_seqs)
         self.live_request_ids: set[str] = set()  # ids holding a ring row
-        self.counters = DSparkCounters()
+        self._counters = DSparkCounters()
+        # Rejected rows are known on the device only; summed there, read when asked.
+        self._rejected_total = torch.zeros((), dtype=torch.int64, device=self.device)
         seed = vllm_config.model_config.seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(0 if seed is None else int(seed))
         self.model: nn.Module | None = None
-        self.kv_cache: torch.Tensor | None = None  # [S, W, K * D], all draft layers
-        self.kv_pos: torch.Tensor | None = None  # [S, W] absolute position per cell
+        self.kv_cache: torch.Tensor | None = None  # [S+1, W, K * D], all draft layers
+        self.kv_pos: torch.Tensor | None = None  # [S+1, W] absolute position per cell
         self.last_confidence: torch.Tensor | None = None
         self._last_probs: torch.Tensor | None = None
-        # Test hooks (None in production): replace the sampled drafts, observe steps.
+        # The one test hook (None in production): replaces the drafts of a step.
+        # ``draft_override(req_ids=, anchor_positions=, anchor_tokens=, drafts=)`` gets
+        # [R] tensors and the [R, k] drafts, returns replacement drafts or None.
         self.draft_override: Callable[..., torch.Tensor | None] | None = None
-        self.step_observer: Callable[[DSparkStepRecord], None] | None = None
         self.supports_mm_inputs = False
+
+    @property
+    def counters(self) -> DSparkCounters:
+        """Cumulative counters; folds in the device-side rejection total (one read, here)."""
+        rejected = int(self._rejected_total)
+        if rejected:
+            self._rejected_total.zero_()
+            c = self._counters
+            c.rejected_rows += rejected
+            c.ingested_rows -= rejected
+            c.accepted_tokens -= rejected
+        return self._counters
+
+    @counters.setter
+    def counters(self, value: DSparkCounters) -> None:
+        self._rejected_total.zero_()
+        self._counters = value
 
     # ------------------------------------------------------------------ model
 
@@ -184,17 +168,12 @@ class DSparkProposer:
         shape = model.shape
         self.num_layers = len(model.layers)
         self.head_dim = shape.head_dim
-        self.kv_cache = torch.zeros(
-            (self.max_num_seqs, self.window, self.num_layers * self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.kv_pos = torch.full(
-            (self.max_num_seqs, self.window), -1, dtype=torch.int64, device=self.device
+        self.kv_cache, self.kv_pos = allocate_rings(
+            self.max_num_seqs, self.window, self.num_layers * self.head_dim, self.dtype, self.device
         )
 
     def layer_caches(self) -> list[torch.Tensor]:
-        """Per-layer views ``[S, W, D]`` of the stacked ring."""
+        """Per-layer views ``[S+1, W, D]`` of the stacked ring."""
         assert self.kv_cache is not None
         stacked = self.kv_cache.view(
             self.kv_cache.shape[0], self.window, self.num_layers, self.head_dim
@@ -207,22 +186,20 @@ class DSparkProposer:
         """The draft keeps its KV in private rings: no paged-attention group to set up."""
 
     def initialize_cudagraph_keys(self, *args, **kwargs) -> None:
-        """The draft runs eagerly (its steps mix shapes); nothing to capture."""
+        """The draft block has static shapes per size in ``draft_sizes``; run eagerly here."""
 
     def dummy_run(self, num_tokens: int, **kwargs) -> None:
-        """Profile/warm-up pass: one block with an empty context, no state touched."""
+        """Profile/warm-up pass: one block per draft size' smallest, reading only scratch."""
         if self.model is None or self.kv_cache is None:
             return
         from vllm.forward_context import set_forward_context
 
-        n = self.block_size
-        ids = torch.full((1, n), self.noise_token_id, dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)[None]
-        mask = torch.zeros((1, self.window), dtype=torch.bool, device=self.device)
-        slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        rows = self.draft_sizes[0]
+        slots = torch.full((rows,), self.max_num_seqs, dtype=torch.int64, device=self.device)
+        anchors = torch.full((rows,), self.noise_token_id, dtype=torch.int64, device=self.device)
+        zero = torch.zeros(rows, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
-            h = self.model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
-            self.model.compute_logits(h)
+            self.draft_block(slots, anchors, zero, None)
 
     def take_last_draft_probs(self) -> torch.Tensor | None:
         probs, self._last_probs = self._last_probs, None
@@ -230,10 +207,11 @@ class DSparkProposer:
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Free the ring rows of requests that finished, were aborted or preempted."""
-        for req_id in req_ids:
-            self.live_request_ids.discard(req_id)
-            if self.slot_table.release(req_id, self.kv_pos) is not None:
-                self.counters.released_slots += 1
+        req_ids = list(req_ids)
+        self.live_request_ids.difference_update(req_ids)
+        freed = self.slot_table.release(req_ids)
+        clear_slots(self.kv_pos, freed)
+        self._counters.released_slots += len(freed)
 
     # --------------------------------------------------------------- propose
 
@@ -241,37 +219,31 @@ class DSparkProposer:
         self,
         *,
         req_ids: Sequence[str],
-        query_start_loc: torch.Tensor,
+        query_start_loc_cpu: torch.Tensor,
         positions: torch.Tensor,
         aux_hidden_states: torch.Tensor,
         num_rejected: torch.Tensor,
         next_token_ids: torch.Tensor,
-        sampling_metadata: SamplingMetadata | None = None,
-        prefilling: torch.Tensor | None = None,
-        num_draft_tokens: Sequence[int] | None = None,
+        num_draft_tokens: Sequence[int] | np.ndarray | None = None,
+        prefilling: Sequence[bool] | np.ndarray | None = None,
+        temperature: torch.Tensor | None = None,
+        temperature_cpu: torch.Tensor | np.ndarray | None = None,
         finished_req_ids: Iterable[str] = (),
-        input_ids: torch.Tensor | None = None,
-        query_start_loc_cpu: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Ingest this step's context, draft one block per request.
 
-        Args:
-            req_ids: ``[R]`` request ids in batch-row order.
-            query_start_loc: ``[R+1]`` packed rows of each request this step.
-            positions: ``[T]`` absolute position of every row.
-            aux_hidden_states: ``[T, m*H]`` concatenated target aux hidden states.
-            num_rejected: ``[R]`` rejected verify rows at the end of each segment.
-            next_token_ids: ``[R]`` anchor token (bonus token, or next prompt token).
-            sampling_metadata: the target's; temperatures for probabilistic drafting.
-            prefilling: ``[R]`` bool, request is still in chunked prefill (its drafts
-                are discarded; counted, not drafted differently).
-            num_draft_tokens: drafts the target verified per request (counters only).
-            finished_req_ids: requests to release before assigning rows.
-            input_ids: ``[T]`` target input tokens (only for ``step_observer``).
-            query_start_loc_cpu: host copy of ``query_start_loc`` (avoids a sync).
+        Host data (plan): ``req_ids [R]`` in batch-row order; ``query_start_loc_cpu
+        [R+1]`` packed rows of each request; ``num_draft_tokens [R]`` drafts the target
+        verified per request (bounds the rejections); ``prefilling [R]`` requests still
+        in chunked prefill (drafts discarded, nothing rejected); ``temperature_cpu [R]``
+        (counters); ``finished_req_ids`` released before rows are assigned.
 
-        Returns:
-            ``[R, num_speculative_tokens]`` int32 draft tokens.
+        Device data (never read back): ``positions [T]``, ``aux_hidden_states [T, m*H]``
+        (concatenated target aux hidden states), ``num_rejected [R]`` rejected verify rows
+        at the end of each segment, ``next_token_ids [R]`` anchor tokens,
+        ``temperature [R]`` for probabilistic drafting (None = all greedy).
+
+        Returns ``[R, num_speculative_tokens]`` int32 draft tokens.
         """
         if self.model is None or self.kv_cache is None or self.kv_pos is None:
             raise RuntimeError("DSparkProposer.load_model() was not called")
@@ -279,93 +251,88 @@ class DSparkProposer:
 
         self.release(finished_req_ids)
         req_ids = list(req_ids)
-        num_reqs = len(req_ids)
-        qsl = query_start_loc.to(self.device, torch.int64)
-        if qsl.numel() != num_reqs + 1:
-            raise ValueError(
-                f"query_start_loc must have R+1={num_reqs + 1} entries, got {qsl.numel()}"
-            )
-        num_rows = int(qsl[-1]) if query_start_loc_cpu is None else int(query_start_loc_cpu[-1])
-        positions = positions[:num_rows].to(self.device, torch.int64)
-        aux = aux_hidden_states[:num_rows]
-        rej = num_rejected.to(self.device, torch.int64)
-        anchors = next_token_ids.to(self.device, torch.int64)
-        slots = self.slot_table.assign(req_ids)
+        plan = self.plan(
+            req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu
+        )
         self.live_request_ids.update(req_ids)
-
+        num_rows, num_reqs = plan.num_rows, plan.num_requests
+        positions = positions[:num_rows]
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
-            kv_rows = self._ingest(qsl, query_start_loc_cpu, positions, aux, rej, slots)
-            anchor_pos = positions[anchor_rows(qsl, rej)] + 1
-            drafts = self._draft(slots, anchors, anchor_pos, sampling_metadata)
-
+            self._ingest(plan, positions, aux_hidden_states[:num_rows], num_rejected)
+            anchor_pos = draft_anchor_positions(plan, positions, num_rejected)
+            anchors = torch.nn.functional.pad(
+                next_token_ids.long(), (0, plan.draft_rows - num_reqs), value=self.noise_token_id
+            )
+            noise = None
+            if temperature is not None and self.probabilistic:
+                temperature = torch.nn.functional.pad(temperature, (0, plan.draft_rows - num_reqs))
+                noise = self.draw_race_noise(plan.draft_rows)
+            else:
+                temperature = None
+            tokens = self.draft_block(plan.draft_slots, anchors, anchor_pos, temperature, noise)
+        drafts = tokens[:num_reqs, : self.num_speculative_tokens]
+        if self._last_probs is not None:
+            self._last_probs = self._last_probs[:num_reqs]
+        if self.last_confidence is not None:
+            self.last_confidence = self.last_confidence[:num_reqs]
         if self.draft_override is not None:
             replaced = self.draft_override(
                 req_ids=req_ids,
-                anchor_positions=anchor_pos,
-                anchor_tokens=anchors,
+                anchor_positions=anchor_pos[:num_reqs],
+                anchor_tokens=next_token_ids,
                 drafts=drafts,
             )
             if replaced is not None:
                 drafts = replaced.to(drafts.device, drafts.dtype)
                 self._last_probs = None
-        self._count(num_reqs, rej, prefilling, num_draft_tokens, qsl)
-        if self.step_observer is not None:
-            self._observe(
-                req_ids, slots, qsl, positions, input_ids, kv_rows, rej, anchor_pos, anchors, drafts
-            )
+        self._count(plan, num_rejected)
         return drafts.to(torch.int32)
 
+    def plan(self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu):
+        """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""
+        rank, group = self._tp_rank_group()
+        slots = self.slot_table.assign(req_ids)
+        return plan_step(
+            query_start_loc_cpu,
+            slots,
+            num_draft_tokens=num_draft_tokens,
+            prefilling=prefilling,
+            temperature_cpu=temperature_cpu,
+            window=self.window,
+            num_slots=self.max_num_seqs,
+            num_spec_tokens=self.num_speculative_tokens,
+            draft_sizes=self.draft_sizes,
+            tp_size=self.tp_size,
+            rank=rank,
+            group=group,
+            device=self.device,
+        )
+
     def _project(self, aux: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``aux [T, m*H]`` -> context KV of all draft layers, ``[T, K, D]``."""
+        """``aux [T, m*H]`` -> context KV of all draft layers, ``[T, K * D]``."""
         model = self.model
         main_x = model.combine_hidden_states(aux.to(self.dtype))
-        return model.context_kv(main_x, positions)
+        kv = model.context_kv(main_x, positions)
+        return kv.reshape(kv.shape[0], self.num_layers * self.head_dim)
 
-    def _ingest(self, qsl, qsl_cpu, positions, aux, rej, slots) -> torch.Tensor:
-        """Store the step's accepted rows in the rings; returns every row's KV."""
-        num_rows, num_reqs = positions.shape[0], qsl.numel() - 1
-        self.counters.steps += 1
-        if num_rows == 0 or num_reqs == 0:
-            return self.kv_cache.new_empty((0, self.num_layers, self.head_dim))
-        ragged = is_ragged(qsl_cpu if qsl_cpu is not None else qsl)
-        if ragged:
-            self.counters.ragged_steps += 1
-        else:
-            self.counters.flat_steps += 1
-        stacked = self.num_layers * self.head_dim
-        verify_rows = num_reqs * (self.num_speculative_tokens + 1)
-        if verify_rows < num_rows <= MAX_PACKED_TOKENS:
-            # A prefill chunk is in this step: packed multi-request prefill.
-            self.counters.packed_steps += 1
-            rank, group = self._tp_rank_group()
-            plan = plan_packed_prefill(
-                (qsl_cpu if qsl_cpu is not None else qsl).cpu(), self.tp_size
-            )
-            full = ingest_packed_prefill(
-                plan,
-                rank,
-                group,
+    def _ingest(self, plan: StepPlan, positions, aux, num_rejected) -> None:
+        """Store the step's accepted rows in the rings (packed prefill for big chunks)."""
+        if plan.num_rows == 0:
+            return
+        if plan.packed is not None:
+            ingest_packed_prefill(
+                plan.packed,
+                plan.store,
                 aux,
                 positions,
-                lambda x, pos: self._project(x, pos).reshape(x.shape[0], 1, stacked),
+                lambda x, pos: self._project(x, pos)[:, None],
                 [(self.kv_cache, self.kv_pos)],
-                slots,
                 max_model_len=max(self.max_model_len, self.max_position),
-                num_rejected=rej,
+                num_rejected=num_rejected,
             )
-            kv = full[:num_rows].view(num_rows, self.num_layers, self.head_dim)
         else:
             kv = self._project(aux, positions)
-            store_context_kv(
-                self.kv_cache,
-                self.kv_pos,
-                kv.reshape(num_rows, stacked),
-                positions,
-                qsl,
-                slots,
-                rej,
-            )
-        return kv
+            store_context_kv(self.kv_cache, self.kv_pos, kv, positions, plan.store, num_rejected)
 
     def _tp_rank_group(self):
         if self.tp_size == 1:
@@ -373,162 +340,65 @@ class DSparkProposer:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tp_group
 
         tp = get_tp_group()
-        group = tp.device_group if self.kv_cache.device.type != "cpu" else tp.cpu_group
+        group = tp.device_group if self.device.type != "cpu" else tp.cpu_group
         return get_tensor_model_parallel_rank(), group
 
-    def _draft(self, slots, anchors, anchor_pos, sampling_metadata) -> torch.Tensor:
+    def draft_block(
+        self,
+        slots: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        temperature: torch.Tensor | None,
+        race_noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Backbone + Markov head for ``[B]`` draft rows (B a draft size): ``[B, N]`` tokens.
+
+        Static shapes (B, N, W, V fixed), no host read, no RNG state (sampled rows use
+        ``race_noise [B, N, V]``, see ``draw_race_noise``): one CUDA graph per draft size
+        can capture it. Reads the rings, never writes them; a pad row (slot = scratch
+        row, anchor position 0) attends nothing. Keeps the draft distributions
+        (probabilistic drafting) and the confidence of the block.
+        """
         model, n = self.model, self.block_size
-        num_reqs = anchors.shape[0]
-        ids = torch.full((num_reqs, n), self.noise_token_id, dtype=torch.int64, device=self.device)
+        ids = torch.full_like(anchors[:, None].expand(-1, n), self.noise_token_id)
         ids[:, 0] = anchors
-        pos = (anchor_pos[:, None] + torch.arange(n, device=self.device)).clamp(
+        pos = (anchor_pos[:, None] + torch.arange(n, device=anchor_pos.device)).clamp_(
             max=self.max_position - 1
         )
         mask = window_mask(self.kv_pos, slots, anchor_pos, self.window)
         head = model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
-        base = model.compute_logits(head)
-        temperature = None
-        if (
-            self.probabilistic
-            and sampling_metadata is not None
-            and not sampling_metadata.all_greedy
-        ):
-            temperature = sampling_metadata.temperature
-            if temperature is not None:
-                temperature = temperature[:num_reqs]
-                self.counters.sampled_draft_tokens += int((temperature > 0).sum()) * (
-                    self.num_speculative_tokens
-                )
         out = markov_block_sample(
-            base,
+            model.compute_logits(head),
             anchors,
             model.markov_embed,
             model.markov_bias,
             temperature=temperature,
-            generator=self.generator,
+            race_noise=race_noise,
             return_probs=self.probabilistic,
         )
         self.last_confidence = model.compute_confidence(head, out.embeds)
         k = self.num_speculative_tokens
         self._last_probs = out.probs[:, :k].contiguous() if out.probs is not None else None
-        return out.tokens[:, :k]
+        return out.tokens
 
-    def _count(self, num_reqs, rej, prefilling, num_draft_tokens, qsl) -> None:
-        c = self.counters
-        lengths = qsl[1:] - qsl[:-1]
-        rejected = int(rej.sum())
-        c.rejected_rows += rejected
-        c.ingested_rows += int(lengths.sum()) - rejected
-        discarded = 0 if prefilling is None else int(prefilling.sum())
-        c.discarded_drafts += discarded * self.num_speculative_tokens
-        c.drafted_tokens += (num_reqs - discarded) * self.num_speculative_tokens
-        if num_draft_tokens is not None:
-            verified = int(sum(num_draft_tokens))
-            c.verified_tokens += verified
-            c.accepted_tokens += verified - rejected
+    def draw_race_noise(self, rows: int) -> torch.Tensor:
+        """``Exp(1)`` draws ``[rows, N, V]`` for sampled drafting, from ``self.generator``."""
+        shape = (rows, self.block_size, self.model.shape.vocab_size)
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return noise.exponential_(generator=self.generator)
 
-    def _observe(
-        self, req_ids, slots, qsl, positions, input_ids, kv, rej, anchor_pos, anchors, drafts
-    ) -> None:
-        ring = self.kv_cache[slots].view(len(req_ids), self.window, self.num_layers, self.head_dim)
-        self.step_observer(
-            DSparkStepRecord(
-                req_ids=list(req_ids),
-                slots=slots.clone(),
-                query_start_loc=qsl.clone(),
-                positions=positions.clone(),
-                input_ids=None if input_ids is None else input_ids.clone(),
-                context_kv=kv.clone(),
-                num_rejected=rej.clone(),
-                anchor_positions=anchor_pos.clone(),
-                anchor_tokens=anchors.clone(),
-                draft_tokens=drafts.clone(),
-                ring=ring.clone(),
-                ring_pos=self.kv_pos[slots].clone(),
-                window=window_mask(self.kv_pos, slots, anchor_pos, self.window),
-            )
-        )
-
-
-def propose_from_runner(
-    runner: Any,
-    scheduler_output: Any,
-    sampled_token_ids: torch.Tensor | list[list[int]],
-    sampling_metadata: SamplingMetadata,
-    aux_hidden_states: list[torch.Tensor] | None,
-    spec_decode_metadata: Any,
-    common_attn_metadata: Any,
-) -> torch.Tensor:
-    """V1 runner glue: read the step's state off the runner, call ``drafter.propose``.
-
-    Called by the overlay's patch of ``GPUModelRunner.propose_draft_token_ids`` right
-    after rejection sampling, with ``sampled_token_ids [R, k+1]`` (-1 = rejected).
-    """
-    drafter: DSparkProposer = runner.drafter
-    if aux_hidden_states is None:
-        raise RuntimeError("DSpark needs the target's aux hidden states (runner did not emit them)")
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    req_ids = list(batch.req_ids[:num_reqs])
-    num_rows = int(scheduler_output.total_num_scheduled_tokens)
-    device = drafter.device
-
-    if isinstance(sampled_token_ids, list):  # host lists (padded drafter batch disabled)
-        width = max((len(t) for t in sampled_token_ids), default=1) or 1
-        padded = torch.full((num_reqs, width), -1, dtype=torch.int64)
-        for i, toks in enumerate(sampled_token_ids[:num_reqs]):
-            padded[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-        sampled_token_ids = padded.to(drafter.device)
-        device = drafter.device
-    sampled = sampled_token_ids[:num_reqs]
-    valid = ((sampled >= 0) & (sampled < batch.vocab_size)).sum(dim=1)
-    discard_np = runner.discard_request_mask.np[:num_reqs]
-    discard = torch.from_numpy(discard_np.copy()).to(device)
-    valid = torch.where(discard, torch.zeros_like(valid), valid)
-    if spec_decode_metadata is not None:
-        num_drafts = list(spec_decode_metadata.num_draft_tokens)
-    else:
-        num_drafts = [0] * num_reqs
-    drafts_t = torch.tensor(num_drafts, dtype=torch.int64, device=device)
-    # Rows of request r: its new tokens, the last of which is followed by its drafts;
-    # of the d verified drafts, valid - 1 were accepted, the rest rejected.
-    num_rejected = torch.where(valid > 0, drafts_t + 1 - valid, torch.zeros_like(drafts_t))
-
-    bonus = sampled.gather(1, (valid - 1).clamp(min=0)[:, None]).squeeze(1).long()
-    anchors = bonus
-    if discard_np.any():
-        backup = torch.zeros(num_reqs, dtype=torch.int64)
-        for i in discard_np.nonzero()[0].tolist():
-            rid = req_ids[i]
-            state = runner.requests[rid]
-            nxt = state.num_computed_tokens + scheduler_output.num_scheduled_tokens[rid]
-            backup[i] = state.get_token_id(nxt)
-        anchors = torch.where(discard, backup.to(device), bonus)
-    runner._copy_valid_sampled_token_count(anchors.to(torch.int32), valid.to(torch.int32))
-
-    finished = set(scheduler_output.finished_req_ids)
-    finished |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-    # Requests that left without being reported here (e.g. a skipped step).
-    finished |= {rid for rid in drafter.live_request_ids if rid not in runner.requests}
-
-    cm = common_attn_metadata
-    aux = torch.cat([h[:num_rows] for h in aux_hidden_states], dim=-1)
-    return drafter.propose(
-        req_ids=req_ids,
-        query_start_loc=cm.query_start_loc[: num_reqs + 1],
-        query_start_loc_cpu=cm.query_start_loc_cpu[: num_reqs + 1],
-        positions=runner._get_positions(num_rows),
-        aux_hidden_states=aux,
-        num_rejected=num_rejected,
-        next_token_ids=anchors,
-        sampling_metadata=sampling_metadata,
-        prefilling=discard,
-        num_draft_tokens=num_drafts,
-        finished_req_ids=finished,
-        input_ids=runner.input_ids.gpu[:num_rows] if drafter.step_observer else None,
-    )
-
-
-def dspark_counters(worker: Any) -> dict[str, int]:
-    """``LLM.collective_rpc(dspark_counters)``: the drafter's counters on a worker."""
-    return worker.model_runner.drafter.counters.as_dict()
+    def _count(self, plan: StepPlan, num_rejected: torch.Tensor) -> None:
+        """Host numbers from the plan; the rejected total accumulates on the device."""
+        c, k = self._counters, self.num_speculative_tokens
+        c.steps += 1
+        if plan.num_rows and plan.num_requests:
+            c.flat_steps += plan.store.uniform
+            c.ragged_steps += not plan.store.uniform
+            c.packed_steps += plan.packed is not None
+        c.ingested_rows += plan.num_rows
+        c.discarded_drafts += plan.num_discarded * k
+        c.drafted_tokens += (plan.num_requests - plan.num_discarded) * k
+        c.sampled_draft_tokens += plan.num_sampled * k if self.probabilistic else 0
+        c.verified_tokens += plan.num_verified
+        c.accepted_tokens += plan.num_verified
+        self._rejected_total += num_rejected.sum()

@@ -4,19 +4,21 @@ Under continuous batching one engine step packs rows from many requests: prefill
 of any length and verify rows (anchor + drafts) of which a suffix was rejected. Each
 DSpark draft layer keeps, per request, a ring of the last ``W`` context positions
 (``cache[slot, pos % W]``). This module turns one packed step into a single scatter
-into those rings (one ``index_put_`` on the KV cache, one on its position table),
-without a Python loop over requests and without padding the step to a rectangle.
+into those rings, without a Python loop over requests and without padding the step.
 
-Layout of one step (all tensors on the same device):
+Plan once, run sync-free (as FlashInfer splits ``plan()`` from ``run()``):
 
-- ``query_start_loc`` ``[R+1]``: request ``r`` owns packed rows ``[qsl[r], qsl[r+1])``.
-- ``num_rejected`` ``[R]``: the last ``rej[r]`` rows of request ``r`` were rejected by
-  the target; its accepted rows are ``[qsl[r], qsl[r+1] - rej[r])``.
-- ``slots`` ``[R]``: the ring row of each request, from :class:`SlotTable`. KV is keyed
-  by request id, never by batch row, so vLLM may reorder or condense the batch.
+- :func:`plan_store` reads only host metadata (``query_start_loc`` on the CPU, the ring
+  rows from :class:`SlotTable`, the most rows each request may reject) and holds every
+  check. It fixes which packed rows the store looks at (each request's last
+  ``W + max_rejected`` rows), ships its index tensors to the device in one copy and
+  returns a frozen :class:`StorePlan`.
+- :func:`store_context_kv`, :func:`window_mask` and :func:`clear_slots` trust the plan:
+  no validation, no host read of device data, shapes fixed by the plan. The actual
+  rejection counts stay on the device; candidate rows they drop are written to the
+  scratch ring row ``S`` (rings have ``S + 1`` rows), which nothing ever reads.
 
-Pure torch + stdlib on purpose: it is unit-tested without vLLM and the same ops run on
-CPU and GPU.
+Pure torch + numpy + stdlib on purpose: unit-tested without vLLM, same ops on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -25,15 +27,21 @@ import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
+    "EMPTY_POS",
     "SlotTable",
-    "anchor_rows",
+    "SlotTableFullError",
+    "StorePlan",
+    "allocate_rings",
     "clear_slots",
-    "is_ragged",
-    "segment_lengths",
+    "host_layout",
+    "plan_store",
+    "ship",
     "store_context_kv",
+    "store_plan_arrays",
     "window_mask",
 ]
 
@@ -41,333 +49,200 @@ EMPTY_POS = -1
 """``cache_pos`` value of a cell that holds no context."""
 
 
+def allocate_rings(
+    num_slots: int, window: int, dim: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache [S+1, W, D]`` (zeros) and ``cache_pos [S+1, W]`` (empty); row S is scratch."""
+    cache = torch.zeros((num_slots + 1, window, dim), dtype=dtype, device=device)
+    cache_pos = torch.full((num_slots + 1, window), EMPTY_POS, dtype=torch.int64, device=device)
+    return cache, cache_pos
+
+
+def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Host int arrays -> int64 device tensors with one (non-blocking) copy.
+
+    The arrays are packed into one buffer (pinned when the device is a GPU, so the copy
+    is asynchronous) and handed back as views of its device copy.
+    """
+    device = torch.device(device)
+    sizes = [a.size for a in arrays.values()]
+    packed = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays.values()])
+    host = torch.from_numpy(packed)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True)
+    return dict(zip(arrays, on_device.split(sizes), strict=True))
+
+
 # ---------------------------------------------------------------------------
-# Validation helpers. Every public function checks its inputs before touching any
-# tensor, so a bad call raises ValueError and leaves the caches byte-identical.
-# Value checks are reduced to a few scalars copied to the host together: one sync
-# per call, however many requests or checks.
+# Host plan: every check, once
 # ---------------------------------------------------------------------------
 
 
-def _require_tensor(name: str, t: object, ndim: int, shape_doc: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(t)}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must have shape {shape_doc}, got {tuple(t.shape)}")
-    return t
+def _host_ints(name: str, value: object, shape_doc: str) -> np.ndarray:
+    """A 1-D integer host array from a CPU tensor, numpy array or sequence of ints."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"{name} must be a host (CPU) tensor {shape_doc}, got {value.device}")
+        value = value.numpy()
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must have shape {shape_doc}, got {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer tensor, got {array.dtype}")
+    return array.astype(np.int64, copy=False)
 
 
-def _require_int(name: str, t: torch.Tensor) -> None:
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+def host_layout(query_start_loc_cpu: object, min_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Checked ``query_start_loc`` and per-request lengths, both int64 numpy (host only).
 
-
-def _require_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} like the cache, got {t.device}")
-
-
-def _host_scalars(**facts: torch.Tensor) -> dict[str, int]:
-    """Copy several 0-d tensors to the host with a single sync."""
-    values = torch.stack(list(facts.values())).tolist()
-    return dict(zip(facts, values, strict=True))
-
-
-def _min_max(t: torch.Tensor, empty: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``aminmax`` that also accepts an empty tensor: gives ``empty``, a passing value."""
-    if t.numel() == 0:
-        value = torch.full((), empty, dtype=torch.int64, device=t.device)
-        return value, value
-    return torch.aminmax(t)
-
-
-def _check_qsl_tensor(qsl: object, device: torch.device | None = None) -> torch.Tensor:
-    qsl = _require_tensor("query_start_loc", qsl, 1, "[R+1]")
-    _require_int("query_start_loc", qsl)
-    if qsl.numel() < 1:
+    ``min_rows=1`` also requires every request to own a row (packed prefill chunks).
+    """
+    qsl = _host_ints("query_start_loc", query_start_loc_cpu, "[R+1]")
+    if qsl.size < 1:
         raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
-    if device is not None:
-        _require_device("query_start_loc", qsl, device)
-    return qsl.long()
-
-
-def _check_qsl_facts(facts: dict[str, int], num_rows: int | None) -> None:
-    if facts["qsl_first"] != 0:
-        raise ValueError(f"query_start_loc[0] must be 0, got {facts['qsl_first']}")
-    if facts["min_len"] < 0:
-        raise ValueError("query_start_loc must be non-decreasing")
-    if num_rows is not None and facts["qsl_last"] != num_rows:
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {qsl[0]}")
+    lengths = np.diff(qsl)
+    if lengths.size and lengths.min() < min_rows:
+        r = int((lengths < min_rows).argmax())
+        rule = "strictly increasing (every request has >= 1 row)" if min_rows else "non-decreasing"
         raise ValueError(
-            f"query_start_loc[-1] must equal the number of kv rows T={num_rows}, "
-            f"got {facts['qsl_last']}"
+            f"query_start_loc must be {rule}: request {r} has query_start_loc[{r}]={qsl[r]}, "
+            f"query_start_loc[{r + 1}]={qsl[r + 1]}"
         )
+    return qsl, lengths
 
 
-def _check_rejected_tensor(num_rejected: object, num_requests: int, device) -> torch.Tensor:
-    if num_rejected is None:
-        return torch.zeros(num_requests, dtype=torch.int64, device=device)
-    rej = _require_tensor("num_rejected", num_rejected, 1, f"[R] with R={num_requests}")
-    _require_int("num_rejected", rej)
-    if rej.numel() != num_requests:
-        raise ValueError(
-            f"num_rejected must have shape [R] with R={num_requests}, got {tuple(rej.shape)}"
-        )
-    _require_device("num_rejected", rej, device)
-    return rej.long()
+@dataclass(frozen=True, eq=False)
+class StorePlan:
+    """Where one step's context rows may go; host numbers plus device index tensors.
 
-
-# ---------------------------------------------------------------------------
-# Batch layout
-# ---------------------------------------------------------------------------
-
-
-def _layout_facts(qsl: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
-    lengths = qsl[1:] - qsl[:-1]
-    min_len, max_len = _min_max(lengths)
-    facts = _host_scalars(qsl_first=qsl[0], min_len=min_len, max_len=max_len)
-    _check_qsl_facts(facts, None)
-    return lengths, facts
-
-
-def segment_lengths(query_start_loc: torch.Tensor) -> torch.Tensor:
-    """Rows per request, ``qsl[r+1] - qsl[r]``, as int64 ``[R]``."""
-    lengths, _ = _layout_facts(_check_qsl_tensor(query_start_loc))
-    return lengths
-
-
-def is_ragged(query_start_loc: torch.Tensor) -> bool:
-    """True when requests carry different row counts; selects the ragged path.
-
-    Mixed prefill chunks and verify rows make a step ragged; a decode-only step where
-    every request verifies the same number of drafts is uniform (flat path).
+    The store looks at each request's last ``W + max_rejected[r]`` rows (its
+    candidates): whatever the device-side rejection counts turn out to be, the last W
+    accepted rows are among them. ``eq=False``: tensor fields have no boolean equality.
     """
-    _, facts = _layout_facts(_check_qsl_tensor(query_start_loc))
-    return facts["min_len"] != facts["max_len"]
+
+    num_requests: int  # R
+    num_rows: int  # T, packed rows of the step
+    window: int  # W
+    num_slots: int  # S live ring rows; row S of every ring is scratch
+    uniform: bool  # every request has the same row count: flat path
+    seg_len: int  # rows per request on the flat path (0 when ragged)
+    num_candidates: int  # M, rows the store looks at
+    max_rejected_rows: int  # sum of the rejection bounds
+    slots: torch.Tensor  # [R] ring row per request, device
+    seg_end: torch.Tensor  # [R] qsl[r+1], device
+    cand_rows: torch.Tensor  # [M] packed row of each candidate (ragged path), device
+    cand_req: torch.Tensor  # [M] request of each candidate (ragged path), device
 
 
-def anchor_rows(
-    query_start_loc: torch.Tensor, num_rejected: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Packed row of each request's last accepted row, ``qsl[r+1] - 1 - rej[r]`` (int64).
+def plan_store(
+    query_start_loc_cpu: object,
+    slots: object,
+    max_rejected: object = None,
+    *,
+    window: int,
+    num_slots: int,
+    device: torch.device | str = "cpu",
+    allow_flat: bool = True,
+) -> StorePlan:
+    """Validate one step's host metadata and plan its ring store (one copy to ``device``).
 
-    The draft block starts right after this row. A request with no accepted row would
-    point into its neighbour, so ``num_rejected[r]`` must be smaller than its length.
+    ``query_start_loc_cpu [R+1]`` (host), ``slots [R]`` distinct ring rows in ``[0, S)``,
+    ``max_rejected [R]`` the most rows request ``r`` may reject (its verified drafts;
+    ``None`` = nothing rejected), ``0 <= max_rejected[r] <= len[r]``. Raises ValueError
+    naming the field before anything is shipped or written. ``allow_flat=False`` sends
+    uniform steps through the ragged path too (tests and benchmarks compare the two).
     """
-    qsl = _check_qsl_tensor(query_start_loc)
-    num_requests = qsl.numel() - 1
-    rej = _check_rejected_tensor(num_rejected, num_requests, qsl.device)
-    lengths = qsl[1:] - qsl[:-1]
-    min_len, _ = _min_max(lengths)
-    min_rej, _ = _min_max(rej)
-    min_kept, _ = _min_max(lengths - rej)
-    facts = _host_scalars(qsl_first=qsl[0], min_len=min_len, min_rej=min_rej, min_kept=min_kept)
-    _check_qsl_facts(facts, None)
-    if facts["min_rej"] < 0:
-        raise ValueError("num_rejected must be >= 0")
-    if num_requests and facts["min_kept"] < 1:
-        raise ValueError(
-            "num_rejected[r] must be < segment length so each request keeps an accepted row"
-        )
-    return qsl[1:] - 1 - rej
-
-
-# ---------------------------------------------------------------------------
-# Store
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class _StepLayout:
-    """A validated step, as the write paths need it (int64 tensors, device of the cache)."""
-
-    window: int
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [R]
-    num_accepted: torch.Tensor  # [R] len[r] - rej[r]
-    accepted_end: torch.Tensor  # [R] exclusive end row of the accepted rows
-    first_candidate: torch.Tensor  # [R] rows before it are outside the window
-    num_candidates: torch.Tensor  # [R] accepted rows from first_candidate on (<= W)
-    total_candidates: int
-    uniform: bool
-
-    @property
-    def num_requests(self) -> int:
-        return self.slots.numel()
-
-
-def _check_store_args(
-    cache, cache_pos, kv, positions, query_start_loc, slots, num_rejected
-) -> _StepLayout | None:
-    """Validate everything ``store_context_kv`` needs; raise ValueError before any write.
-
-    Returns None for an empty step (R = 0).
-    """
-    cache = _require_tensor("cache", cache, 3, "[S, W, D]")
-    num_slots, window, dim = cache.shape
-    device = cache.device
-    if window < 1:
-        raise ValueError(f"cache must have a window W >= 1, got shape {tuple(cache.shape)}")
-
-    cache_pos = _require_tensor("cache_pos", cache_pos, 2, f"[S, W] = [{num_slots}, {window}]")
-    if tuple(cache_pos.shape) != (num_slots, window):
-        raise ValueError(
-            f"cache_pos must have shape [S, W] = [{num_slots}, {window}], "
-            f"got {tuple(cache_pos.shape)}"
-        )
-    if cache_pos.dtype != torch.int64:
-        raise ValueError(f"cache_pos must be int64, got {cache_pos.dtype}")
-    _require_device("cache_pos", cache_pos, device)
-
-    kv = _require_tensor("kv", kv, 2, f"[T, D] with D={dim}")
-    num_rows = kv.shape[0]
-    if kv.shape[1] != dim:
-        raise ValueError(f"kv must have shape [T, D] with D={dim}, got {tuple(kv.shape)}")
-    if kv.dtype != cache.dtype:
-        raise ValueError(f"kv must have the cache dtype {cache.dtype}, got {kv.dtype}")
-    _require_device("kv", kv, device)
-
-    positions = _require_tensor("positions", positions, 1, f"[T] with T={num_rows}")
-    _require_int("positions", positions)
-    if positions.numel() != num_rows:
-        raise ValueError(
-            f"positions must have shape [T] with T={num_rows}, got {tuple(positions.shape)}"
-        )
-    _require_device("positions", positions, device)
-    positions = positions.long()
-
-    qsl = _check_qsl_tensor(query_start_loc, device)
-    num_requests = qsl.numel() - 1
-    slots = _require_tensor("slots", slots, 1, f"[R] with R={num_requests}")
-    _require_int("slots", slots)
-    if slots.numel() != num_requests:
-        raise ValueError(
-            f"slots must have shape [R] with R={num_requests}, got {tuple(slots.shape)}"
-        )
-    _require_device("slots", slots, device)
-    slots = slots.long()
-    rej = _check_rejected_tensor(num_rejected, num_requests, device)
-
-    if num_requests == 0:  # an empty step: nothing to write, only qsl == [0] to check
-        if num_rows != 0 or int(qsl[0]) != 0:
-            raise ValueError(f"query_start_loc must be [0] for an empty step with T={num_rows}")
-        return None
-
-    # Per-request layout, computed before validation but only used after it.
-    q_lo, q_hi = qsl[:-1], qsl[1:]
-    lengths = q_hi - q_lo
-    accepted_end = q_hi - rej
-    num_accepted = accepted_end - q_lo
-    # Positions strictly increase, so the last W accepted rows hold every position that
-    # can be in the window; earlier rows never need a look.
-    num_candidates = num_accepted.clamp(0, window)
-    first_candidate = accepted_end - num_candidates
-
-    # Position steps between neighbouring rows; a step back is fine where a segment
-    # starts, so those entries (and the two ends) are set to 1.
-    steps = torch.ones(num_rows + 1, dtype=torch.int64, device=device)
-    torch.sub(positions[1:], positions[:-1], out=steps[1:num_rows])
-    steps.index_fill_(0, qsl.clamp(0, num_rows), 1)
-    sorted_slots = slots.sort().values
-    slot_gaps = sorted_slots[1:] - sorted_slots[:-1]
-
-    # Fast path: two reductions cover the value checks; only a failing call pays for
-    # finding out which argument is wrong.
-    shortest, longest = torch.aminmax(lengths)
-    facts = torch.stack(
-        [
-            qsl[0],
-            qsl[-1],
-            shortest,
-            longest,
-            sorted_slots[-1],
-            torch.cat([lengths, rej, num_accepted, slots, positions]).amin(),  # must be >= 0
-            torch.cat([steps, slot_gaps]).amin(),  # must be >= 1
-            num_candidates.sum(),
-        ]
-    ).tolist()
-    qsl_first, qsl_last, min_len, max_len, max_slot, min_nonneg, min_step, total = facts
-    if min_nonneg < 0 or min_step < 1 or max_slot >= num_slots:
-        _explain_store_failure(
-            qsl, lengths, rej, num_accepted, slots, num_slots, positions, steps, num_rows
-        )
-    _check_qsl_facts({"qsl_first": qsl_first, "qsl_last": qsl_last, "min_len": 0}, num_rows)
-
-    return _StepLayout(
-        window=window,
-        positions=positions,
-        slots=slots,
-        num_accepted=num_accepted,
-        accepted_end=accepted_end,
-        first_candidate=first_candidate,
-        num_candidates=num_candidates,
-        total_candidates=total,
-        uniform=min_len == max_len,
+    arrays, plan = store_plan_arrays(
+        query_start_loc_cpu, slots, max_rejected, window, num_slots, allow_flat
     )
+    return StorePlan(**plan, **ship(arrays, device))
 
 
-def _explain_store_failure(
-    qsl, lengths, rej, num_accepted, slots, num_slots, positions, steps, num_rows
-):
-    """Slow path of a failed check: find the offending argument and raise for it."""
-    qsl_first, qsl_last = qsl[0].item(), qsl[-1].item()
-    _check_qsl_facts(
-        {"qsl_first": qsl_first, "qsl_last": qsl_last, "min_len": lengths.min().item()},
-        num_rows,
-    )
-    if slots.min().item() < 0 or slots.max().item() >= num_slots:
+def store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slots, allow_flat=True):
+    """Checks + host arrays of a store plan (a step plan ships them with its own arrays)."""
+    for name, value in (("window", window), ("num_slots", num_slots)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    qsl, lengths = host_layout(query_start_loc_cpu)
+    num_requests = lengths.size
+    ring_rows = _host_ints("slots", slots, f"[R] with R={num_requests}")
+    if ring_rows.size != num_requests:
+        raise ValueError(f"slots must have shape [R] with R={num_requests}, got {ring_rows.shape}")
+    if num_requests and (ring_rows.min() < 0 or ring_rows.max() >= num_slots):
         raise ValueError(f"slots must be in [0, S={num_slots})")
-    if slots.unique().numel() != slots.numel():
+    if np.unique(ring_rows).size != num_requests:
         raise ValueError("slots must be distinct (one ring row per request)")
-    if rej.min().item() < 0:
-        raise ValueError("num_rejected must be >= 0")
-    if num_accepted.min().item() < 0:
-        raise ValueError("num_rejected[r] must be <= segment length qsl[r+1] - qsl[r]")
-    if positions.numel() and positions.min().item() < 0:
-        raise ValueError("positions must be >= 0")
-    if steps.min().item() < 1:
-        raise ValueError("positions must be strictly increasing within each request's segment")
-    raise AssertionError("a store check failed without a matching explanation")
+    if max_rejected is None:
+        bound = np.zeros(num_requests, dtype=np.int64)
+    else:
+        bound = _host_ints("num_rejected", max_rejected, f"[R] with R={num_requests}")
+        if bound.size != num_requests:
+            raise ValueError(
+                f"num_rejected must have shape [R] with R={num_requests}, got {bound.shape}"
+            )
+        if num_requests and bound.min() < 0:
+            raise ValueError("num_rejected must be >= 0")
+        if num_requests and (bound > lengths).any():
+            raise ValueError("num_rejected[r] must be <= segment length qsl[r+1] - qsl[r]")
+
+    uniform = allow_flat and num_requests > 0 and lengths.min() == lengths.max()
+    counts = np.minimum(lengths, window + bound)
+    if uniform:
+        seg_len = int(lengths[0])
+        num_candidates = num_requests * int(counts.max())
+        cand_rows = cand_req = np.zeros(0, dtype=np.int64)
+    else:
+        seg_len = 0
+        num_candidates = int(counts.sum())
+        cand_req = np.repeat(np.arange(num_requests), counts)
+        # Ragged arange: candidate k of request r is packed row qsl[r+1] - counts[r] + k.
+        shift = qsl[1:] - counts - (np.cumsum(counts) - counts)
+        cand_rows = np.arange(num_candidates) + shift[cand_req]
+    plan = {
+        "num_requests": num_requests,
+        "num_rows": int(qsl[-1]),
+        "window": window,
+        "num_slots": num_slots,
+        "uniform": bool(uniform),
+        "seg_len": seg_len,
+        "num_candidates": num_candidates,
+        "max_rejected_rows": int(bound.sum()),
+    }
+    arrays = {"slots": ring_rows, "seg_end": qsl[1:], "cand_rows": cand_rows, "cand_req": cand_req}
+    return arrays, plan
 
 
-def _flat_write_rows(step: _StepLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uniform batch: view the step as ``[R, L]`` and mask with broadcasting.
-
-    Returns the packed rows to write, their ring rows and positions. Request data
-    broadcasts along the columns, so nothing is gathered per row.
-    """
-    num_requests = step.num_requests
-    seg_len = step.positions.numel() // num_requests
-    pos = step.positions.view(num_requests, seg_len)
-    accepted = step.num_accepted[:, None]  # [R, 1]
-    last_pos = pos.gather(1, (accepted - 1).clamp_(min=0))  # [R, 1]
-    col = torch.arange(seg_len, device=pos.device)
-    keep = (col < accepted) & (pos > last_pos - step.window)
-    rows = keep.view(-1).nonzero().squeeze(1)
-    ring_rows = step.slots.index_select(0, rows // seg_len)
-    return rows, ring_rows, step.positions.index_select(0, rows)
+# ---------------------------------------------------------------------------
+# Device work: trusts the plan
+# ---------------------------------------------------------------------------
 
 
-def _ragged_write_rows(step: _StepLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Heterogeneous batch: enumerate each request's candidate rows, then mask.
+def _flat_candidates(plan: StorePlan, positions, acc_end, last_pos):
+    """Uniform batch: the candidates are the last ``c`` columns of an ``[R, L]`` view."""
+    num_requests, seg_len = plan.num_requests, plan.seg_len
+    cols = plan.num_candidates // num_requests
+    first = seg_len - cols
+    rows = torch.arange(first, seg_len, device=positions.device) + (
+        plan.seg_end[:, None] - seg_len
+    )  # [R, c]
+    pos = positions.view(num_requests, seg_len)[:, first:]
+    keep = (rows < acc_end[:, None]) & (pos > last_pos[:, None] - plan.window)
+    ring = torch.where(keep, plan.slots[:, None], plan.num_slots)
+    return rows.view(-1), ring.view(-1), pos.reshape(-1)
 
-    A request contributes at most W candidate rows (its last W accepted rows), so the
-    work scales with the rows written, not with T, and no ``[R, max_len]`` padding is
-    ever allocated.
-    """
-    device = step.positions.device
-    counts, total = step.num_candidates, step.total_candidates
-    req = torch.repeat_interleave(
-        torch.arange(step.num_requests, device=device), counts, output_size=total
+
+def _ragged_candidates(plan: StorePlan, positions, acc_end, last_pos):
+    """Heterogeneous batch: candidates listed by the plan, at most W + bound per request."""
+    req = plan.cand_req
+    pos = positions.index_select(0, plan.cand_rows)
+    keep = (plan.cand_rows < acc_end.index_select(0, req)) & (
+        pos > last_pos.index_select(0, req) - plan.window
     )
-    # Ragged arange: candidate k of request r is packed row first_candidate[r] + k.
-    shift = step.first_candidate - (counts.cumsum(0) - counts)
-    rows = torch.arange(total, device=device).add_(shift.index_select(0, req))
-    pos = step.positions.index_select(0, rows)
-    last_pos = step.positions.index_select(0, (step.accepted_end - 1).clamp_(min=0))
-    # All True unless positions have gaps: then older candidates fall out of the window.
-    keep = (pos > last_pos.sub_(step.window).index_select(0, req)).nonzero().squeeze(1)
-    ring_rows = step.slots.index_select(0, req.index_select(0, keep))
-    return rows.index_select(0, keep), ring_rows, pos.index_select(0, keep)
+    ring = torch.where(keep, plan.slots.index_select(0, req), plan.num_slots)
+    return plan.cand_rows, ring, pos
 
 
 def store_context_kv(
@@ -375,8 +250,7 @@ def store_context_kv(
     cache_pos: torch.Tensor,
     kv: torch.Tensor,
     positions: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    slots: torch.Tensor,
+    plan: StorePlan,
     num_rejected: torch.Tensor | None = None,
 ) -> None:
     """Write one step's accepted context rows into each request's KV ring, in place.
@@ -384,25 +258,22 @@ def store_context_kv(
     For request ``r`` (ring row ``slots[r]``) let ``last`` be the position of its last
     accepted row. Exactly the accepted rows with ``position > last - W`` are written:
     ``cache[slots[r], pos % W] = kv[row]`` and ``cache_pos[slots[r], pos % W] = pos``.
-    Rejected rows are never written: their cell ``pos % W`` may still hold live context
-    of the next window. Older rows would be overwritten in the same call anyway, and
-    skipping them keeps the scatter free of duplicate indices (deterministic).
+    Rejected rows never reach a live row: their cell may still hold live context.
 
-    Shapes: ``cache [S, W, D]``, ``cache_pos [S, W]`` int64 (-1 = empty), ``kv [T, D]``
-    (same dtype as ``cache``), ``positions [T]`` (>= 0, strictly increasing within a
-    request), ``query_start_loc [R+1]``, ``slots [R]`` (distinct, in ``[0, S)``),
-    ``num_rejected [R]`` with ``0 <= rej[r] <= len[r]`` (None = nothing rejected).
-
-    Uniform batches take the flat ``[R, L]`` path, ragged ones the candidate-row path;
-    both end in the same single scatter. Host syncs: one for validation, one to compact
-    the rows to write, independent of R. Invalid input raises ValueError before any write.
+    ``cache [S+1, W, D]``, ``cache_pos [S+1, W]`` int64, ``kv [T, D]`` (cache dtype),
+    ``positions [T]`` int64 strictly increasing within a request, ``num_rejected [R]``
+    on the device, ``num_rejected[r] <= max_rejected[r]`` of the plan. Uniform steps take
+    the flat ``[R, L]`` path, ragged ones the plan's candidate list; both end in the same
+    scatter. No host read; the shapes depend on the plan only.
     """
-    step = _check_store_args(cache, cache_pos, kv, positions, query_start_loc, slots, num_rejected)
-    if step is None or step.total_candidates == 0:
+    if plan.num_candidates == 0:
         return
-    rows, ring_rows, pos = (_flat_write_rows if step.uniform else _ragged_write_rows)(step)
-    # The one scatter: (ring row, pos % W) pairs are unique, so the write is deterministic.
-    cells = (ring_rows, pos % step.window)
+    acc_end = plan.seg_end if num_rejected is None else plan.seg_end - num_rejected
+    last_pos = positions.index_select(0, (acc_end - 1).clamp_(min=0))
+    candidates = _flat_candidates if plan.uniform else _ragged_candidates
+    rows, ring, pos = candidates(plan, positions, acc_end, last_pos)
+    # Kept (ring row, pos % W) pairs are unique, so the live writes are deterministic.
+    cells = (ring, pos.remainder(plan.window))
     dst, src = _as_wide_words(cache, kv)
     dst.index_put_(cells, src.index_select(0, rows))
     cache_pos.index_put_(cells, pos)
@@ -423,18 +294,6 @@ def _as_wide_words(cache: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor,
         return cache, kv
 
 
-# ---------------------------------------------------------------------------
-# Read side
-# ---------------------------------------------------------------------------
-
-
-def _check_slot_range(slots: torch.Tensor, num_slots: int) -> None:
-    min_slot, max_slot = _min_max(slots)
-    facts = _host_scalars(min_slot=min_slot, max_slot=max_slot)
-    if slots.numel() and not (0 <= facts["min_slot"] and facts["max_slot"] < num_slots):
-        raise ValueError(f"slots must be in [0, S={num_slots})")
-
-
 def window_mask(
     cache_pos: torch.Tensor,
     slots: torch.Tensor,
@@ -443,48 +302,28 @@ def window_mask(
 ) -> torch.Tensor:
     """Bool ``[R, W]``: which ring cells the draft block of request ``r`` may attend.
 
-    A cell is valid iff ``anchor - W <= cache_pos < anchor`` and ``cache_pos >= 0``;
-    ``W`` may be smaller than the ring width, never larger.
+    A cell is valid iff ``anchor - W <= cache_pos < anchor`` and ``cache_pos >= 0``.
     Checking the stored position (not just "cell was written") is what keeps stale
     cells from a released slot, a prefix-cache hole or a preempted request out of the
-    draft attention.
+    draft attention. An anchor of 0 attends nothing (padded draft rows use it).
     """
-    cache_pos = _require_tensor("cache_pos", cache_pos, 2, "[S, W]")
-    if cache_pos.dtype != torch.int64:
-        raise ValueError(f"cache_pos must be int64, got {cache_pos.dtype}")
-    num_slots, ring = cache_pos.shape
-    if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= ring:
-        raise ValueError(f"W must be an int in [1, ring width {ring}], got {W!r}")
-    slots = _require_tensor("slots", slots, 1, "[R]")
-    _require_int("slots", slots)
-    _require_device("slots", slots, cache_pos.device)
-    anchor = _require_tensor("anchor_positions", anchor_positions, 1, f"[R] with R={slots.numel()}")
-    _require_int("anchor_positions", anchor)
-    if anchor.numel() != slots.numel():
-        raise ValueError(
-            f"anchor_positions must have shape [R] with R={slots.numel()}, "
-            f"got {tuple(anchor.shape)}"
-        )
-    _require_device("anchor_positions", anchor, cache_pos.device)
-    _check_slot_range(slots.long(), num_slots)
-    held = cache_pos[slots.long()]  # [R, ring]
-    anchor = anchor.long()[:, None]
+    held = cache_pos.index_select(0, slots)  # [R, W]
+    anchor = anchor_positions[:, None]
     return (held >= 0) & (held >= anchor - W) & (held < anchor)
 
 
-def clear_slots(cache_pos: torch.Tensor, slots: torch.Tensor | Sequence[int]) -> None:
-    """Mark ring rows empty (``cache_pos = -1``) so a reused row exposes no old context."""
-    cache_pos = _require_tensor("cache_pos", cache_pos, 2, "[S, W]")
-    if cache_pos.dtype != torch.int64:
-        raise ValueError(f"cache_pos must be int64, got {cache_pos.dtype}")
-    idx = torch.as_tensor(slots, dtype=torch.int64, device=cache_pos.device).reshape(-1)
-    num_slots = cache_pos.shape[0]
-    _check_slot_range(idx, num_slots)
-    cache_pos[idx] = EMPTY_POS
+def clear_slots(cache_pos: torch.Tensor, slots: Iterable[int]) -> None:
+    """Mark ring rows empty (``cache_pos = -1``) so a reused row exposes no old context.
+
+    ``slots`` are host ints (from :meth:`SlotTable.release`): one fill per freed row,
+    no index tensor to copy to the device.
+    """
+    for slot in slots:
+        cache_pos[slot].fill_(EMPTY_POS)
 
 
 # ---------------------------------------------------------------------------
-# Request id -> ring row
+# Request id -> ring row (host)
 # ---------------------------------------------------------------------------
 
 
@@ -501,11 +340,10 @@ class SlotTable:
     row 0). Host-side bookkeeping only: a dict lookup per request id.
     """
 
-    def __init__(self, num_slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_slots: int) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         self.num_slots = num_slots
-        self.device = torch.device(device)
         self._slot_of: dict[Hashable, int] = {}
         self._free: list[int] = list(range(num_slots))  # heap: lowest free row first
 
@@ -523,8 +361,8 @@ class SlotTable:
         """Ring row held by ``req_id``, or None."""
         return self._slot_of.get(req_id)
 
-    def assign(self, req_ids: Sequence[Hashable]) -> torch.Tensor:
-        """Ring row per batch row (int64 ``[R]``); known ids keep theirs, new ids get one.
+    def assign(self, req_ids: Sequence[Hashable]) -> list[int]:
+        """Ring row per batch row; known ids keep theirs, new ids get one.
 
         All-or-nothing: if the new ids do not fit, nothing is assigned.
         """
@@ -540,35 +378,18 @@ class SlotTable:
             )
         for req_id in new_ids:
             self._slot_of[req_id] = heapq.heappop(self._free)
-        return torch.tensor(
-            [self._slot_of[r] for r in req_ids], dtype=torch.int64, device=self.device
-        )
+        return [self._slot_of[r] for r in req_ids]
 
-    def release(
-        self,
-        req_id: Hashable,
-        cache_pos: torch.Tensor | Iterable[torch.Tensor] | None = None,
-    ) -> int | None:
-        """Free the row of a finished request and mark it empty in ``cache_pos``.
+    def release(self, req_ids: Iterable[Hashable]) -> list[int]:
+        """Free the rows of finished requests; returns the freed rows (ids without one skip).
 
-        Pass every draft layer's ``cache_pos`` (one tensor or several) so a later owner
-        of the row cannot attend this request's context. Returns the freed row, or
-        None when the id held none (it may have finished before it was ever drafted).
+        The caller clears those rows in every ``cache_pos`` (:func:`clear_slots`) so a
+        later owner cannot attend this request's context.
         """
-        slot = self._slot_of.get(req_id)
-        if slot is None:
-            return None
-        if cache_pos is not None:
-            tables = [cache_pos] if isinstance(cache_pos, torch.Tensor) else list(cache_pos)
-            for table in tables:  # validate all before clearing any
-                _require_tensor("cache_pos", table, 2, "[S, W]")
-                if table.shape[0] != self.num_slots or table.dtype != torch.int64:
-                    raise ValueError(
-                        f"cache_pos must be int64 [S, W] with S={self.num_slots}, got "
-                        f"{table.dtype} {tuple(table.shape)}"
-                    )
-            for table in tables:
-                table[slot] = EMPTY_POS
-        del self._slot_of[req_id]
-        heapq.heappush(self._free, slot)
-        return slot
+        freed = []
+        for req_id in req_ids:
+            slot = self._slot_of.pop(req_id, None)
+            if slot is not None:
+                heapq.heappush(self._free, slot)
+                freed.append(slot)
+        return freed

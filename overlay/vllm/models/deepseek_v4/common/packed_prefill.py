@@ -11,9 +11,11 @@ Layout (DESIGN section 6): ``P = align_up(N, tp_size)``; rank ``k`` owns packed 
 input, synthetic non-aliasing positions, slot ``-1`` and request id ``-1``. Pad rows
 produce exactly zero output and are never written.
 
-Pure torch + torch.distributed: importable and testable without vLLM. Every check runs
-before any compute or write and raises ``ValueError`` naming the field, its shape and the
-expectation, because a bad table would otherwise read or overwrite another request's KV.
+Plan once, run trusting the plan: :func:`plan_packed_prefill` checks the host metadata
+(``query_start_loc`` on the CPU, TP size, rank, group) and raises ``ValueError`` naming
+the field; the ring rows and rejection bounds are checked by ``dspark_ragged.plan_store``.
+The device helpers below do no validation and no host read. Pure torch +
+torch.distributed: importable and testable without the rest of vLLM.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ....v1.spec_decode.dspark_ragged import StorePlan, host_layout, store_context_kv
 
 __all__ = [
     "MAX_PACKED_TOKENS",
@@ -40,31 +44,32 @@ __all__ = [
 # The recipe's max_num_batched_tokens: the largest chunk one engine step packs.
 MAX_PACKED_TOKENS = 8192
 
-_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
-
 
 @dataclass(frozen=True, eq=False)
 class PackedPrefill:
-    """Geometry of one packed chunk; identical on every rank of the TP group.
+    """Geometry of one packed chunk (identical on every rank) and this rank's place in it.
 
     ``eq=False`` because a tensor field has no boolean equality; plans compare by identity.
     """
 
-    query_start_loc: torch.Tensor  # [R+1], private copy of the caller's tensor
+    query_start_loc: torch.Tensor  # [R+1], private host copy of the caller's tensor
     num_requests: int  # R
     num_tokens: int  # N, real rows
     num_padded: int  # P = align_up(N, tp_size)
     rows_per_rank: int  # L = P / tp_size
     tp_size: int
+    rank: int = 0  # this process's rank in ``group``
+    group: dist.ProcessGroup | None = None  # None only for tp_size == 1
 
     @property
     def num_pad_rows(self) -> int:
         """P - N: rows that exist only so every rank holds the same L rows."""
         return self.num_padded - self.num_tokens
 
-    def rank_rows(self, rank: int) -> tuple[int, int]:
-        """(first packed row, number of real rows) of ``rank``; pads follow the real rows."""
-        _check_rank(self, rank)
+    def rank_rows(self, rank: int | None = None) -> tuple[int, int]:
+        """(first packed row, number of real rows) of ``rank`` (default: this rank)."""
+        rank = self.rank if rank is None else rank
+        _check_rank(self.tp_size, rank)
         base = rank * self.rows_per_rank
         return base, min(max(self.num_tokens - base, 0), self.rows_per_rank)
 
@@ -74,16 +79,40 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
+def _check_rank(tp_size: int, rank: object) -> None:
+    if not _is_int(rank) or not 0 <= rank < tp_size:
+        raise ValueError(f"rank must be an int in [0, {tp_size}) (tp_size), got {rank!r}")
+
+
+def _check_group(tp_size: int, rank: int, group: object) -> None:
+    if group is None:  # a geometry-only plan; ingestion refuses it for tp_size > 1
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group was given but torch.distributed is not initialized")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+        )
+    size = dist.get_world_size(group)
+    if size != tp_size:
+        raise ValueError(f"group has world size {size}, expected tp_size={tp_size}")
+    own = dist.get_rank(group)
+    if own != rank:
+        raise ValueError(f"rank={rank} does not match this process's rank {own} in group")
 
 
 def plan_packed_prefill(
-    query_start_loc: torch.Tensor, tp_size: int, *, max_tokens: int = MAX_PACKED_TOKENS
+    query_start_loc: torch.Tensor,
+    tp_size: int,
+    *,
+    rank: int = 0,
+    group: dist.ProcessGroup | None = None,
+    max_tokens: int = MAX_PACKED_TOKENS,
 ) -> PackedPrefill:
-    """Validate ``query_start_loc`` and derive the TP row split (one host sync, here only).
+    """Validate the chunk's host metadata and derive the TP row split; no device work.
 
-    Every later helper trusts the plan, so all metadata checks live here.
+    Every later helper trusts the plan, so all metadata checks live here. ``group`` may be
+    omitted for a geometry-only plan; ingestion with ``tp_size > 1`` needs it.
     """
     if not _is_int(tp_size) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
@@ -96,63 +125,43 @@ def plan_packed_prefill(
         )
     if qsl.dim() != 1:
         raise ValueError(
-            f"query_start_loc must be 1-D [R+1], got shape {_shape(qsl)} ({qsl.dim()}-D)"
+            f"query_start_loc must be 1-D [R+1], got shape {tuple(qsl.shape)} ({qsl.dim()}-D)"
         )
-    if qsl.dtype not in _INT_DTYPES:
+    if qsl.dtype.is_floating_point or qsl.dtype.is_complex or qsl.dtype == torch.bool:
         raise ValueError(f"query_start_loc must have an integer dtype, got {qsl.dtype}")
     if qsl.numel() < 2:
         raise ValueError(
-            f"query_start_loc must have at least 2 entries (R >= 1 request), got shape {_shape(qsl)}"
+            "query_start_loc must have at least 2 entries (R >= 1 request), "
+            f"got shape {tuple(qsl.shape)}"
         )
-    host = qsl.detach().to("cpu", torch.int64)
-    if int(host[0]) != 0:
-        raise ValueError(f"query_start_loc[0] must be 0, got {int(host[0])}")
-    lens = host[1:] - host[:-1]
-    bad = torch.nonzero(lens <= 0)
-    if bad.numel():
-        r = int(bad[0, 0])
-        raise ValueError(
-            "query_start_loc must be strictly increasing (every request has >= 1 row): "
-            f"request {r} has query_start_loc[{r}]={int(host[r])}, "
-            f"query_start_loc[{r + 1}]={int(host[r + 1])}"
-        )
+    host, _ = host_layout(qsl, min_rows=1)
     n = int(host[-1])
     if n > max_tokens:
         raise ValueError(
             f"query_start_loc[-1] (N, tokens in the chunk) must be in [1, {max_tokens}], got {n}"
         )
+    _check_rank(tp_size, rank)
+    _check_group(tp_size, rank, group)
     padded = -(-n // tp_size) * tp_size
     return PackedPrefill(
-        query_start_loc=qsl.detach().clone(),
+        query_start_loc=qsl.clone(),
         num_requests=qsl.numel() - 1,
         num_tokens=n,
         num_padded=padded,
         rows_per_rank=padded // tp_size,
         tp_size=tp_size,
+        rank=rank,
+        group=group,
     )
 
 
-def _check_plan(plan: object) -> None:
-    if not isinstance(plan, PackedPrefill):
-        raise ValueError(
-            f"plan must be a PackedPrefill from plan_packed_prefill, got {type(plan).__name__}"
-        )
-
-
-def _check_rank(plan: PackedPrefill, rank: object) -> None:
-    if not _is_int(rank) or not 0 <= rank < plan.tp_size:
-        raise ValueError(f"rank must be an int in [0, {plan.tp_size}) (tp_size), got {rank!r}")
-
-
-def local_request_ids(plan: PackedPrefill, rank: int) -> torch.Tensor:
+def local_request_ids(plan: PackedPrefill, rank: int | None = None) -> torch.Tensor:
     """Request owning each of ``rank``'s L rows (int32, -1 for pad rows).
 
     O(L + R) and loop-free: row ``base + j`` belongs to request ``#{r >= 1 : qsl[r] <= row}``,
     so scatter each request start into its (clamped) local row and prefix-sum. No sort, no
-    L x R comparison, no host sync.
+    L x R comparison.
     """
-    _check_plan(plan)
-    _check_rank(plan, rank)
     base, real = plan.rank_rows(rank)
     rows = plan.rows_per_rank
     qsl = plan.query_start_loc
@@ -164,31 +173,6 @@ def local_request_ids(plan: PackedPrefill, rank: int) -> torch.Tensor:
     return ids
 
 
-def _check_rows(name: str, t: object, plan: PackedPrefill, *, one_d: bool, integer: bool):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor with N={plan.num_tokens} rows")
-    if one_d and t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D [N={plan.num_tokens}], got shape {_shape(t)}")
-    if t.dim() < 1 or t.shape[0] != plan.num_tokens:
-        raise ValueError(
-            f"{name} must have N={plan.num_tokens} rows (real packed rows, no padding), "
-            f"got shape {_shape(t)}"
-        )
-    if integer and t.dtype not in _INT_DTYPES:
-        raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
-
-
-def _check_positions(plan: PackedPrefill, positions: object, max_model_len: object) -> None:
-    if not _is_int(max_model_len) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
-    _check_rows("positions", positions, plan, one_d=True, integer=True)
-    lo, hi = torch.stack([positions.amin(), positions.amax()]).tolist()
-    if lo < 0 or hi >= max_model_len:
-        raise ValueError(
-            f"positions must lie in [0, max_model_len={max_model_len}), got min {lo}, max {hi}"
-        )
-
-
 def pad_positions(plan: PackedPrefill, positions: torch.Tensor, max_model_len: int) -> torch.Tensor:
     """Positions for all P rows: real ones, then ``max(positions) + 1 + i`` clamped below
     ``max_model_len``.
@@ -196,14 +180,8 @@ def pad_positions(plan: PackedPrefill, positions: torch.Tensor, max_model_len: i
     Pads continue past the largest live position so even a position-based causal test
     cannot expose them, while staying valid RoPE indices. Pad rows are additionally
     excluded by request id -1 and slot -1 (a clamped pad may repeat a position). Returns
-    ``positions`` itself when there is no padding.
+    ``positions`` itself when there is no padding. Device work, no host read.
     """
-    _check_plan(plan)
-    _check_positions(plan, positions, max_model_len)
-    return _pad_positions(plan, positions, max_model_len)
-
-
-def _pad_positions(plan: PackedPrefill, positions: torch.Tensor, max_model_len: int):
     if plan.num_pad_rows == 0:
         return positions
     step = torch.arange(1, plan.num_pad_rows + 1, device=positions.device, dtype=torch.int64)
@@ -216,15 +194,9 @@ def pad_slot_mapping(plan: PackedPrefill, slot_mapping: torch.Tensor) -> torch.T
 
     Returns ``slot_mapping`` itself when there is no padding.
     """
-    _check_plan(plan)
-    _check_rows("slot_mapping", slot_mapping, plan, one_d=True, integer=True)
-    low = int(slot_mapping.min())
-    if low < -1:
-        raise ValueError(f"slot_mapping values must be >= -1 (-1 = do not write), got {low}")
     if plan.num_pad_rows == 0:
         return slot_mapping
-    pads = slot_mapping.new_full((plan.num_pad_rows,), -1)
-    return torch.cat([slot_mapping, pads])
+    return torch.cat([slot_mapping, slot_mapping.new_full((plan.num_pad_rows,), -1)])
 
 
 def pad_rows(plan: PackedPrefill, hidden: torch.Tensor) -> torch.Tensor:
@@ -232,8 +204,6 @@ def pad_rows(plan: PackedPrefill, hidden: torch.Tensor) -> torch.Tensor:
 
     Returns ``hidden`` itself when there is no padding (no copy of large features).
     """
-    _check_plan(plan)
-    _check_rows("hidden", hidden, plan, one_d=False, integer=False)
     if plan.num_pad_rows == 0:
         return hidden
     out = hidden.new_zeros((plan.num_padded, *hidden.shape[1:]))
@@ -242,11 +212,10 @@ def pad_rows(plan: PackedPrefill, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def logit_row_indices(plan: PackedPrefill) -> torch.Tensor:
-    """Packed row of each request's last token, ``qsl[r+1] - 1`` (int64, [R]).
+    """Packed row of each request's last token, ``qsl[r+1] - 1`` (int64, [R], host).
 
     Always in ``[0, N)``, so a logit row can never select a pad row.
     """
-    _check_plan(plan)
     return plan.query_start_loc[1:].to(torch.int64) - 1
 
 
@@ -254,9 +223,8 @@ def validate_request_tables(plan: PackedPrefill, **tables: torch.Tensor | None) 
     """Check every request-indexed table has leading dimension R; ``None`` entries are skipped.
 
     Tables are indexed by request id, so a table built for another batch would silently
-    route a request to someone else's rows.
+    route a request to someone else's rows. Shapes only: no data is read.
     """
-    _check_plan(plan)
     r = plan.num_requests
     for name, table in tables.items():
         if table is None:
@@ -268,149 +236,14 @@ def validate_request_tables(plan: PackedPrefill, **tables: torch.Tensor | None) 
             )
         if table.dim() < 1 or table.shape[0] != r:
             raise ValueError(
-                f"request table {name!r} has shape {_shape(table)}; its leading dimension "
-                f"must equal the number of requests R={r}"
+                f"request table {name!r} has shape {tuple(table.shape)}; its leading "
+                f"dimension must equal the number of requests R={r}"
             )
 
 
-def _ragged_store() -> Callable[..., None]:
-    """``dspark_ragged.store_context_kv``, imported on first use (keeps this module import-light)."""
-    from vllm.v1.spec_decode.dspark_ragged import store_context_kv
-
-    return store_context_kv
-
-
-def _check_group(plan: PackedPrefill, rank: int, group: object) -> None:
-    if group is None:
-        if plan.tp_size != 1:
-            raise ValueError(
-                f"group must be a torch.distributed ProcessGroup when tp_size={plan.tp_size} "
-                "(None is only valid for tp_size=1)"
-            )
-        return
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("group was given but torch.distributed is not initialized")
-    if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
-        )
-    size = dist.get_world_size(group)
-    if size != plan.tp_size:
-        raise ValueError(f"group has world size {size}, expected tp_size={plan.tp_size}")
-    own = dist.get_rank(group)
-    if own != rank:
-        raise ValueError(f"rank={rank} does not match this process's rank {own} in group")
-
-
-def _check_caches(kv_caches: object) -> tuple[torch.Size, torch.dtype, torch.device]:
-    if not isinstance(kv_caches, Sequence) or len(kv_caches) == 0:
-        raise ValueError(
-            "kv_caches must be a non-empty sequence of (cache [S, W, D], cache_pos [S, W]) "
-            "pairs, one per draft layer"
-        )
-    first = None
-    for k, pair in enumerate(kv_caches):
-        if not isinstance(pair, Sequence) or len(pair) != 2:
-            raise ValueError(f"kv_caches[{k}] must be a (cache, cache_pos) pair")
-        cache, cache_pos = pair
-        if not isinstance(cache, torch.Tensor) or cache.dim() != 3:
-            shape = _shape(cache) if isinstance(cache, torch.Tensor) else type(cache).__name__
-            raise ValueError(f"kv_caches[{k}] cache must be a 3-D tensor [S, W, D], got {shape}")
-        if not cache.is_floating_point():
-            raise ValueError(f"kv_caches[{k}] cache must be floating point, got {cache.dtype}")
-        if (
-            not isinstance(cache_pos, torch.Tensor)
-            or cache_pos.dtype != torch.int64
-            or _shape(cache_pos) != _shape(cache)[:2]
-        ):
-            got = (
-                f"{_shape(cache_pos)} {cache_pos.dtype}"
-                if isinstance(cache_pos, torch.Tensor)
-                else type(cache_pos).__name__
-            )
-            raise ValueError(
-                f"kv_caches[{k}] cache_pos must be int64 [S, W]={list(cache.shape[:2])}, got {got}"
-            )
-        if first is None:
-            first = cache
-        elif (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
-            raise ValueError(
-                f"kv_caches[{k}] cache is {_shape(cache)} {cache.dtype} on {cache.device}; "
-                f"every draft layer must match kv_caches[0]: {_shape(first)} {first.dtype} "
-                f"on {first.device}"
-            )
-    return first.shape, first.dtype, first.device
-
-
-def _check_ingest(
-    plan, rank, group, features, positions, kv_caches, slots, max_model_len, num_rejected
-) -> tuple[torch.Size, torch.dtype, torch.device]:
-    """All ingestion checks; value checks share one host sync (one stats vector)."""
-    _check_plan(plan)
-    _check_rank(plan, rank)
-    _check_group(plan, rank, group)
-    _check_rows("features", features, plan, one_d=False, integer=False)
-    if not _is_int(max_model_len) or max_model_len < 1:
-        raise ValueError(f"max_model_len must be an int >= 1, got {max_model_len!r}")
-    _check_rows("positions", positions, plan, one_d=True, integer=True)
-    cache_info = _check_caches(kv_caches)
-    r, n = plan.num_requests, plan.num_tokens
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INT_DTYPES:
-        got = f"{_shape(slots)} {slots.dtype}" if isinstance(slots, torch.Tensor) else slots
-        raise ValueError(f"slots must be a 1-D integer tensor [R={r}], got {got}")
-    validate_request_tables(plan, slots=slots, num_rejected=num_rejected)
-    if num_rejected is not None and (
-        num_rejected.dim() != 1 or num_rejected.dtype not in _INT_DTYPES
-    ):
-        raise ValueError(
-            f"num_rejected must be a 1-D integer [R={r}] tensor, "
-            f"got {_shape(num_rejected)} {num_rejected.dtype}"
-        )
-
-    dev = positions.device
-    qsl = plan.query_start_loc.to(dev, torch.int64)
-    pos = positions.to(torch.int64)
-    ring = slots.to(dev, torch.int64).sort().values
-    # First row whose position does not exceed its predecessor's in the same request
-    # (the ring store keys cells by position, so a repeat would alias); n = none.
-    cont = torch.ones(max(n - 1, 0), dtype=torch.bool, device=dev)
-    cont[qsl[1:-1] - 1] = False
-    rows = torch.arange(1, n, device=dev)
-    bad_row = (
-        torch.where((pos[1:] <= pos[:-1]) & cont, rows, n).amin() if n > 1 else pos.new_tensor(n)
-    )
-    stats = [pos.amin(), pos.amax(), ring[0], ring[-1], (ring[1:] == ring[:-1]).sum(), bad_row]
-    if num_rejected is not None:
-        rej = num_rejected.to(dev, torch.int64)
-        stats.append(((rej < 0) | (rej > qsl[1:] - qsl[:-1])).sum())
-    pos_lo, pos_hi, slot_lo, slot_hi, dups, bad_row, *rej_bad = torch.stack(stats).tolist()
-
-    if pos_lo < 0 or pos_hi >= max_model_len:
-        raise ValueError(
-            f"positions must lie in [0, max_model_len={max_model_len}), "
-            f"got min {pos_lo}, max {pos_hi}"
-        )
-    if slot_lo < 0 or slot_hi >= cache_info[0][0]:
-        raise ValueError(
-            f"slots must lie in [0, S={cache_info[0][0]}), got min {slot_lo}, max {slot_hi}"
-        )
-    if dups:
-        raise ValueError(
-            f"slots must be distinct (one cache row per request), got {slots.tolist()}"
-        )
-    if rej_bad and rej_bad[0]:
-        raise ValueError("num_rejected[r] must lie in [0, request r's row count]")
-    if bad_row < n:
-        raise ValueError(
-            "positions must be strictly increasing within each request: row "
-            f"{bad_row} has position {int(pos[bad_row])} after {int(pos[bad_row - 1])}"
-        )
-    return cache_info
-
-
-def _local_features(plan: PackedPrefill, rank: int, features: torch.Tensor) -> torch.Tensor:
+def _local_features(plan: PackedPrefill, features: torch.Tensor) -> torch.Tensor:
     """This rank's L input rows, zero pad rows appended; never copies the whole chunk."""
-    base, real = plan.rank_rows(rank)
+    base, real = plan.rank_rows()
     rows = features[base : base + real]
     if real == plan.rows_per_rank:
         return rows
@@ -431,13 +264,11 @@ def _all_gather_rows(out: torch.Tensor, local: torch.Tensor, group: dist.Process
 
 def ingest_packed_prefill(
     plan: PackedPrefill,
-    rank: int,
-    group: dist.ProcessGroup | None,
+    store: StorePlan,
     features: torch.Tensor,
     positions: torch.Tensor,
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    slots: torch.Tensor,
     *,
     max_model_len: int,
     num_rejected: torch.Tensor | None = None,
@@ -445,64 +276,61 @@ def ingest_packed_prefill(
     """Project this rank's L rows into draft context KV, all-gather P rows, store N rows.
 
     Args:
-        plan: from ``plan_packed_prefill``; identical on every rank.
-        rank: this process's rank in ``group`` (0 for TP=1).
-        group: TP process group, or ``None`` for ``tp_size == 1``.
+        plan: from ``plan_packed_prefill``; the same geometry on every rank.
+        store: from ``dspark_ragged.plan_store`` for the same ``query_start_loc``: the
+            ring rows of the requests and the rows each may reject.
         features: ``[N, ...]`` packed target features of the whole chunk (replicated on
             every rank, as the target's hidden states are after its all-reduce).
-        positions: ``[N]`` absolute positions, strictly increasing within each request.
+        positions: ``[N]`` int64 absolute positions, strictly increasing per request.
         project: ``project(features_local [L, ...], positions_local [L]) -> [L, K, D]``,
             the draft's context-KV projection for all K draft layers at once (for DSV4
             ``RoPE(kv_norm(W_kv main_norm(main_proj(x))))``). It always gets exactly L rows
             (fixed shape), pads zeroed and at synthetic positions.
-        kv_caches: K ``(cache [S, W, D], cache_pos [S, W] int64)`` pairs, one per draft
-            layer, in the layout of ``dspark_ragged.store_context_kv``.
-        slots: ``[R]`` distinct cache rows, one per request (keyed by request id upstream).
-        max_model_len: bound for real and synthetic positions.
-        num_rejected: optional ``[R]`` rows to drop at each request's end (verify rows in a
-            mixed step); ``None`` for a pure prefill chunk.
+        kv_caches: K ``(cache [S+1, W, D], cache_pos [S+1, W] int64)`` pairs, one per
+            draft layer, in the layout of ``dspark_ragged.store_context_kv``.
+        max_model_len: bound for the synthetic pad positions.
+        num_rejected: ``[R]`` device rows to drop at each request's end (verify rows in a
+            mixed step), at most the store plan's bounds; ``None`` for a pure prefill.
 
     Returns:
         The gathered ``[P, K, D]`` context KV (pad rows exactly zero), identical on every
-        rank. The K caches are updated in place, identically on every rank.
-
-    All input checks run before ``project`` is called and before anything is written; the
-    projection's output is checked before the all-gather and the store.
+        rank. The K caches are updated in place, identically on every rank. The
+        projection's output shape is checked before the all-gather and the store.
     """
-    (_, _, dim), dtype, device = _check_ingest(
-        plan, rank, group, features, positions, kv_caches, slots, max_model_len, num_rejected
-    )
-    store = _ragged_store()
-    layers, rows = len(kv_caches), plan.rows_per_rank
-    base, real = plan.rank_rows(rank)
-
-    local_pos = _pad_positions(plan, positions, max_model_len)[base : base + rows]
-    local_kv = project(_local_features(plan, rank, features), local_pos)
-    want = (rows, layers, dim)
-    if not isinstance(local_kv, torch.Tensor) or _shape(local_kv) != want:
-        got = _shape(local_kv) if isinstance(local_kv, torch.Tensor) else type(local_kv).__name__
-        raise ValueError(f"project must return [L, K, D]={list(want)}, got {got}")
-    if local_kv.dtype != dtype or local_kv.device != device:
+    if plan.tp_size > 1 and plan.group is None:
         raise ValueError(
-            f"project must return {dtype} on {device} (the caches' dtype and device), "
-            f"got {local_kv.dtype} on {local_kv.device}"
+            f"plan.group must be a torch.distributed ProcessGroup when tp_size={plan.tp_size} "
+            "(None is only valid for tp_size=1)"
+        )
+    cache = kv_caches[0][0]
+    layers, rows, dim = len(kv_caches), plan.rows_per_rank, cache.shape[-1]
+    base, real = plan.rank_rows()
+
+    local_pos = pad_positions(plan, positions, max_model_len)[base : base + rows]
+    local_kv = project(_local_features(plan, features), local_pos)
+    want = (rows, layers, dim)
+    if not isinstance(local_kv, torch.Tensor) or tuple(local_kv.shape) != want:
+        got = (
+            tuple(local_kv.shape) if isinstance(local_kv, torch.Tensor) else type(local_kv).__name__
+        )
+        raise ValueError(f"project must return [L, K, D]={list(want)}, got {got}")
+    if local_kv.dtype != cache.dtype or local_kv.device != cache.device:
+        raise ValueError(
+            f"project must return {cache.dtype} on {cache.device} (the caches' dtype and "
+            f"device), got {local_kv.dtype} on {local_kv.device}"
         )
     if real < rows:
         # Forced, not assumed: a projection with a bias maps zero input to nonzero output.
         local_kv = torch.cat([local_kv[:real], local_kv.new_zeros((rows - real, layers, dim))])
     local_kv = local_kv.contiguous()
 
-    if group is None or plan.tp_size == 1:
+    if plan.tp_size == 1:
         full_kv = local_kv
     else:
         full_kv = local_kv.new_empty((plan.num_padded, layers, dim))
-        _all_gather_rows(full_kv, local_kv, group)
+        _all_gather_rows(full_kv, local_kv, plan.group)
 
     n = plan.num_tokens
-    qsl = plan.query_start_loc.to(device)
-    store_pos = positions.to(device)
-    store_slots = slots.to(device)
-    rej = None if num_rejected is None else num_rejected.to(device)
     for k, (cache, cache_pos) in enumerate(kv_caches):
-        store(cache, cache_pos, full_kv[:n, k], store_pos, qsl, store_slots, rej)
+        store_context_kv(cache, cache_pos, full_kv[:n, k], positions, store, num_rejected)
     return full_kv

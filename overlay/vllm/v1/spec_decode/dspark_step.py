@@ -1,0 +1,155 @@
+"""One DSpark engine step as a host plan plus device work that trusts it.
+
+:func:`plan_step` looks at the step's host metadata once (``query_start_loc`` on the
+CPU, the ring rows, the drafts each request verified, which requests are still in
+chunked prefill, their temperatures), does every check there, decides the layout
+(flat or ragged store, packed prefill or not, the padded draft batch) and ships all its
+index tensors to the device in one copy. The device half (the store, the window mask,
+the draft block) reads the plan's tensors and never reads device data back: the
+rejection counts, positions and hidden states stay on the device.
+
+Pure torch + numpy: importable without vLLM (``scripts/gpu_check.py`` runs it on a GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...models.deepseek_v4.common.packed_prefill import (
+    MAX_PACKED_TOKENS,
+    PackedPrefill,
+    plan_packed_prefill,
+)
+from .dspark_ragged import StorePlan, ship, store_plan_arrays
+
+__all__ = ["StepPlan", "capture_sizes", "draft_anchor_positions", "plan_step"]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Padded draft batch sizes: powers of two up to ``max_num_seqs``, then it."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_num_seqs]
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """Everything the device half of one step needs; host numbers and device tensors."""
+
+    store: StorePlan  # ring store of the step's context rows (flat or ragged)
+    packed: PackedPrefill | None  # set when a prefill chunk goes through packed prefill
+    draft_rows: int  # R padded to a capture size; pad rows draft from the scratch row
+    draft_slots: torch.Tensor  # [draft_rows] ring row per draft row (pads: scratch row S)
+    num_discarded: int  # requests still in chunked prefill (their drafts are dropped)
+    num_verified: int  # draft tokens the target verified this step
+    num_sampled: int  # requests drafting at temperature > 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.store.num_requests
+
+    @property
+    def num_rows(self) -> int:
+        return self.store.num_rows
+
+
+def plan_step(
+    query_start_loc_cpu: torch.Tensor,
+    slots: Sequence[int],
+    *,
+    num_draft_tokens: Sequence[int] | np.ndarray | None,
+    prefilling: Sequence[bool] | np.ndarray | None,
+    temperature_cpu: torch.Tensor | np.ndarray | None,
+    window: int,
+    num_slots: int,
+    num_spec_tokens: int,
+    draft_sizes: Sequence[int],
+    tp_size: int = 1,
+    rank: int = 0,
+    group=None,
+    device: torch.device | str = "cpu",
+) -> StepPlan:
+    """Check the step's host metadata and plan it; raises ValueError before any device work.
+
+    ``num_draft_tokens[r]`` drafts of request ``r`` were verified, so at most that many
+    of its rows can be rejected; a request in chunked prefill (``prefilling[r]``)
+    rejects none. Every request keeps at least one row (its anchor).
+    """
+    # One host read: the step's layout. Everything else is host Python/numpy already.
+    qsl = query_start_loc_cpu.numpy() if isinstance(query_start_loc_cpu, torch.Tensor) else None
+    num_requests = len(slots)
+    if qsl is None or qsl.shape != (num_requests + 1,):
+        got = tuple(query_start_loc_cpu.shape) if qsl is not None else type(query_start_loc_cpu)
+        raise ValueError(
+            f"query_start_loc_cpu must be a host tensor [R+1] with R={num_requests}, got {got}"
+        )
+    discard = _flags("prefilling", prefilling, num_requests)
+    drafts = _flags("num_draft_tokens", num_draft_tokens, num_requests, np.int64)
+    if (drafts < 0).any() or (drafts > num_spec_tokens).any():
+        raise ValueError(f"num_draft_tokens must be in [0, k={num_spec_tokens}]")
+    bound = np.where(discard, 0, drafts)
+    if num_requests and (bound >= np.diff(qsl)).any():
+        raise ValueError(
+            "num_draft_tokens[r] must be < segment length qsl[r+1] - qsl[r] "
+            "(each request keeps its anchor row)"
+        )
+    arrays, store = store_plan_arrays(qsl, slots, bound, window, num_slots)
+    draft_rows = next((size for size in draft_sizes if size >= num_requests), None)
+    if draft_rows is None:
+        raise ValueError(f"R={num_requests} requests exceed the largest draft size {draft_sizes}")
+    pad = np.full(draft_rows - num_requests, num_slots, dtype=np.int64)
+    arrays["draft_slots"] = np.concatenate([arrays["slots"], pad])
+
+    packed = None
+    if num_requests * (num_spec_tokens + 1) < store["num_rows"] <= MAX_PACKED_TOKENS:
+        # A prefill chunk is in this step: packed multi-request prefill.
+        packed = plan_packed_prefill(query_start_loc_cpu, tp_size, rank=rank, group=group)
+    num_sampled = 0
+    if temperature_cpu is not None:
+        temperature = np.asarray(temperature_cpu)
+        if temperature.shape != (num_requests,):
+            raise ValueError(
+                f"temperature_cpu must have shape [R] with R={num_requests}, "
+                f"got {temperature.shape}"
+            )
+        num_sampled = int((temperature > 0).sum())
+    tensors = ship(arrays, device)
+    draft_slots = tensors.pop("draft_slots")
+    return StepPlan(
+        store=StorePlan(**store, **tensors),
+        packed=packed,
+        draft_rows=draft_rows,
+        draft_slots=draft_slots,
+        num_discarded=int(discard.sum()),
+        num_verified=int(drafts.sum()),
+        num_sampled=num_sampled,
+    )
+
+
+def _flags(name: str, values, num_requests: int, dtype=bool) -> np.ndarray:
+    """Per-request host values as numpy ``[R]`` (zeros when None)."""
+    if values is None:
+        return np.zeros(num_requests, dtype=dtype)
+    array = np.asarray(values, dtype=dtype)
+    if array.shape != (num_requests,):
+        raise ValueError(f"{name} must have shape [R] with R={num_requests}, got {array.shape}")
+    return array
+
+
+def draft_anchor_positions(
+    plan: StepPlan, positions: torch.Tensor, num_rejected: torch.Tensor
+) -> torch.Tensor:
+    """``[draft_rows]`` position after each request's last accepted row; 0 for pad rows.
+
+    The draft block of request ``r`` starts there; an anchor of 0 attends no context,
+    so pad rows read nothing live. Device work on the plan's tensors, no host read.
+    """
+    rows = plan.store.seg_end - 1 - num_rejected
+    anchor = positions.index_select(0, rows) + 1
+    return torch.nn.functional.pad(anchor, (0, plan.draft_rows - plan.num_requests))

@@ -1,0 +1,81 @@
+"""The step plan (``dspark_step.plan_step``): layout decisions, host numbers, named errors.
+
+Expected values are worked out by hand from the step's host metadata (lengths, draft
+counts, prefill flags), not taken from the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
+
+K, WINDOW, SLOTS = 4, 8, 6
+
+
+def plan(lengths, slots=None, drafts=None, prefilling=None, temperature=None, **kw):
+    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return plan_step(
+        qsl,
+        list(range(len(lengths))) if slots is None else slots,
+        num_draft_tokens=drafts,
+        prefilling=prefilling,
+        temperature_cpu=temperature,
+        window=WINDOW,
+        num_slots=SLOTS,
+        num_spec_tokens=K,
+        draft_sizes=kw.pop("sizes", capture_sizes(SLOTS)),
+        **kw,
+    )
+
+
+def test_capture_sizes_cover_every_batch():
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(1) == [1]
+
+
+def test_decode_step_is_flat_with_padded_draft_batch_and_host_counts():
+    p = plan([K + 1] * 3, slots=[4, 0, 2], drafts=[K, K, 2], temperature=[0.0, 0.7, 1.0])
+    assert p.store.uniform and p.packed is None
+    assert (p.num_requests, p.num_rows, p.draft_rows) == (3, 15, 4)
+    assert p.draft_slots.tolist() == [4, 0, 2, SLOTS]  # the pad row reads the scratch row
+    assert (p.num_verified, p.num_discarded, p.num_sampled) == (10, 0, 2)
+    assert p.store.max_rejected_rows == 10
+
+
+def test_prefill_chunk_goes_through_packed_prefill_and_prefilling_rejects_nothing():
+    p = plan([K + 1, 40], drafts=[K, 0], prefilling=[False, True])
+    assert not p.store.uniform and p.packed is not None
+    assert (p.packed.num_tokens, p.packed.num_requests) == (45, 2)
+    assert p.store.max_rejected_rows == K and p.num_discarded == 1
+    # A prefilling request's rejection bound is 0 whatever the draft count says.
+    assert plan([K + 1, 3], drafts=[K, 2], prefilling=[False, True]).store.max_rejected_rows == K
+
+
+def test_anchor_positions_follow_the_device_rejections_and_pads_are_zero():
+    p = plan([K + 1, 3], drafts=[K, 0])
+    positions = torch.tensor([10, 11, 12, 13, 14, 0, 1, 2])
+    anchors = draft_anchor_positions(p, positions, torch.tensor([3, 0]))
+    assert anchors.tolist() == [12, 3]  # request 0 keeps rows 10..11, request 1 rows 0..2
+    p = plan([1, 1, 1], drafts=[0, 0, 0])
+    anchors = draft_anchor_positions(p, torch.tensor([5, 9, 0]), torch.zeros(3, dtype=torch.long))
+    assert anchors.tolist() == [6, 10, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must be a host tensor \[R\+1\]"),
+        ({"lengths": [3, 2], "drafts": [1]}, r"num_draft_tokens must have shape \[R\]"),
+        ({"lengths": [6], "drafts": [K + 1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
+        ({"lengths": [3], "drafts": [3]}, "keeps its anchor row"),
+        ({"lengths": [3, 2], "prefilling": [True]}, r"prefilling must have shape \[R\]"),
+        ({"lengths": [3], "temperature": [0.5, 1.0]}, r"temperature_cpu must have shape \[R\]"),
+        ({"lengths": [1, 1, 1], "sizes": [1, 2]}, "exceed the largest draft size"),
+        ({"lengths": [3], "slots": [SLOTS]}, rf"slots must be in \[0, S={SLOTS}\)"),
+    ],
+)
+def test_bad_step_metadata_raises_before_any_device_work(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        plan(**kwargs)
