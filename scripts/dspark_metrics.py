@@ -46,8 +46,9 @@ def dspark_snapshot(text: str) -> dict[str, Any] | None:
         if name in _LABELLED:
             label, allowed = _LABELLED[name]
             if labels.get(label) not in allowed:
-                raise ValueError(f"{name} sample with {label}={labels.get(label)!r}; "
-                                 f"expected one of {allowed}")
+                raise ValueError(
+                    f"{name} sample with {label}={labels.get(label)!r}; expected one of {allowed}"
+                )
             group = snap["steps" if name == STEPS else "context_rows"]
             group[labels[label]] += value
         elif name == DRAFTS_DISCARDED:

@@ -113,9 +113,7 @@ def run_worker(tmp_path, tp_rank: int, multiproc_dir: str | None) -> str:
     env = {"PATH": "/usr/bin:/bin"}
     if multiproc_dir is not None:
         env["PROMETHEUS_MULTIPROC_DIR"] = multiproc_dir
-    subprocess.run(
-        [sys.executable, "-c", CHILD, str(tp_rank)], check=True, env=env, timeout=300
-    )
+    subprocess.run([sys.executable, "-c", CHILD, str(tp_rank)], check=True, env=env, timeout=300)
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
     return page(registry)
@@ -125,7 +123,11 @@ def run_worker(tmp_path, tp_rank: int, multiproc_dir: str | None) -> str:
 def test_worker_series_reach_the_multiprocess_collector(tmp_path):
     text = run_worker(tmp_path, tp_rank=0, multiproc_dir=str(tmp_path))
     totals = dict.fromkeys(PUBLISHED, 0) | dict(
-        flat_steps=3, ragged_steps=7, packed_steps=1, ingested_rows=40, rejected_rows=7,
+        flat_steps=3,
+        ragged_steps=7,
+        packed_steps=1,
+        ingested_rows=40,
+        rejected_rows=7,
         discarded_drafts=12,
     )
     assert dspark_snapshot(text) == expected_snapshot(totals, in_use=0, total=8)

@@ -84,9 +84,7 @@ class DSparkMetrics:
             registry=registry,
             multiprocess_mode="mostrecent",
         )
-        self._counters = {
-            field: steps.labels(**labels, path=path) for path, field in STEPS.items()
-        }
+        self._counters = {field: steps.labels(**labels, path=path) for path, field in STEPS.items()}
         self._counters |= {
             field: rows.labels(**labels, kind=kind) for kind, field in CONTEXT_ROWS.items()
         }
