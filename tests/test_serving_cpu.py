@@ -9,15 +9,13 @@ import sys
 import bench_serving
 import pytest
 from conftest import REPO
-from support.cpu_server import cpu_tiny_server
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with cpu_tiny_server(tmp_path_factory.mktemp("serve") / "server.log") as srv:
-        yield srv.base_url
+@pytest.fixture
+def server(cpu_tiny_server):
+    return cpu_tiny_server.base_url
 
 
 def test_smoke_sees_speculative_decoding(server):

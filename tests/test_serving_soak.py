@@ -23,7 +23,7 @@ import yaml
 from bench_metrics import parse_prometheus
 from conftest import REPO
 from dspark_metrics import dspark_delta, dspark_snapshot, format_dspark
-from support.cpu_server import child_pids, cpu_tiny_server, process_tree_rss
+from support.cpu_server import child_pids, process_tree_rss
 
 aiohttp = pytest.importorskip("aiohttp")
 
@@ -203,13 +203,8 @@ def teacher_forcing_deficit(base: str, prompt: list[int], max_tokens: int) -> fl
     return worst
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with cpu_tiny_server(tmp_path_factory.mktemp("soak") / "server.log") as srv:
-        yield srv
-
-
-def test_soak_leaks_nothing(server, capsys):
+def test_soak_leaks_nothing(cpu_tiny_server, capsys):
+    server = cpu_tiny_server
     base = server.base_url
     rng = random.Random(15)
     engine_pids = child_pids(server.pid)

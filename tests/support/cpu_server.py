@@ -1,8 +1,9 @@
 """The real cpu-tiny server for end-to-end tests: `scripts/serve.py` on a free loopback port.
 
-`cpu_tiny_server(log)` starts it in its own session, waits (bounded) for /health, yields a
+`start_cpu_tiny_server(log)` starts it in its own session, waits (bounded) for /health, yields a
 `CpuServer` and always stops the whole process group. `process_tree_rss` reads the memory
-of the server and its engine processes from /proc, for tests that report it.
+of the server and its engine processes from /proc, for tests that report it. The tests
+share one server through the session fixture `cpu_tiny_server` (conftest.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class CpuServer:
 
 
 @contextlib.contextmanager
-def cpu_tiny_server(log: Path, startup_s: float = STARTUP_S) -> Iterator[CpuServer]:
+def start_cpu_tiny_server(log: Path, startup_s: float = STARTUP_S) -> Iterator[CpuServer]:
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # serve.py gives the server a fresh one
