@@ -82,26 +82,24 @@ def test_series_carry_vllm_labels():
     assert 'vllm:dspark_ring_slots_in_use{engine="3",model_name="tiny"} 1.0' in text
 
 
+# The worker: the exporter module only (no proposer import, which takes a minute to load);
+# its counters are a stand-in with DSparkCounters' field names, checked above.
 CHILD = textwrap.dedent(
     """
     import sys
     from types import SimpleNamespace
     import vllm.v1.spec_decode.dspark_metrics as dm
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     dm._tp_rank = lambda: int(sys.argv[1])
     config = SimpleNamespace(
         model_config=SimpleNamespace(served_model_name="tiny"),
         parallel_config=SimpleNamespace(data_parallel_rank=0),
     )
-    drafter = SimpleNamespace(
-        counters=DSparkCounters(flat_steps=3, ragged_steps=2, packed_steps=1, ingested_rows=40,
-                                rejected_rows=7, discarded_drafts=12),
-        live_request_ids={"a", "b"},
-        max_num_seqs=8,
-    )
+    counters = SimpleNamespace(flat_steps=3, ragged_steps=2, packed_steps=1, ingested_rows=40,
+                               rejected_rows=7, discarded_drafts=12)
+    drafter = SimpleNamespace(counters=counters, live_request_ids={"a", "b"}, max_num_seqs=8)
     dm.publish_dspark_metrics(drafter, config)
-    drafter.counters.ragged_steps += 5
+    counters.ragged_steps += 5
     drafter.live_request_ids.clear()  # released: the idle server's gauge must read 0
     dm.publish_dspark_metrics(drafter, config)
     """
