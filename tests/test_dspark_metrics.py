@@ -8,6 +8,7 @@ exposition (in-process registry, or the multiprocess collector vLLM's /metrics u
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -179,3 +180,21 @@ def test_parser_refuses_bad_pages():
         dspark_snapshot('vllm:dspark_steps_total{path="diagonal"} 1\n')
     with pytest.raises(ValueError, match="went backwards"):
         dspark_delta(dspark_snapshot(snapshot_text(5, 5)), dspark_snapshot(snapshot_text(4, 5)))
+
+
+# ---- scripts/serve.py: the server's multiprocess directory --------------------------------
+
+
+def test_serve_gives_each_server_an_empty_directory_and_sweeps_dead_ones(tmp_path, monkeypatch):
+    import serve
+
+    monkeypatch.setattr(serve.tempfile, "gettempdir", lambda: str(tmp_path))
+    root = tmp_path / f"vllm-metrics-{os.getuid()}"
+    for name in ("999999999", str(os.getpid()), str(os.getppid()), "notes"):
+        (root / name).mkdir(parents=True)
+        (root / name / "counter_1.db").write_bytes(b"x")
+    path = serve.fresh_metrics_dir()
+    assert path == root / str(os.getpid()) and list(path.iterdir()) == []  # this server's
+    assert not (root / "999999999").exists()  # no such process: swept
+    assert (root / str(os.getppid()) / "counter_1.db").exists()  # a live server's: kept
+    assert (root / "notes" / "counter_1.db").exists()  # not ours to judge: kept
