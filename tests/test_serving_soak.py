@@ -100,7 +100,8 @@ def metrics(base: str) -> str:
     return text
 
 
-def gauge(text: str, name: str) -> float:
+def metric_sum(text: str, name: str) -> float:
+    """Sum of a series over its label sets (one engine here)."""
     values = [v for n, _, v in parse_prometheus(text) if n == name]
     assert values, f"{name} missing from /metrics"
     return sum(values)
@@ -175,8 +176,10 @@ def wait_drained(base: str) -> str:
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
         text = metrics(base)
-        busy = gauge(text, "vllm:num_requests_running") + gauge(text, "vllm:num_requests_waiting")
-        slots = gauge(text, "vllm:dspark_ring_slots_in_use")
+        busy = sum(
+            metric_sum(text, f"vllm:num_requests_{state}") for state in ("running", "waiting")
+        )
+        slots = metric_sum(text, "vllm:dspark_ring_slots_in_use")
         if (busy == 0 and slots == 0) or time.monotonic() > deadline:
             return text
         time.sleep(1)
@@ -215,7 +218,7 @@ def test_soak_leaks_nothing(cpu_tiny_server, capsys):
     first = wait_drained(base)
     before = dspark_snapshot(first)
     finished_before = finished_total(first)
-    tokens_before = gauge(first, "vllm:generation_tokens_total")
+    tokens_before = metric_sum(first, "vllm:generation_tokens_total")
     assert before is not None, "no vllm:dspark_* series on /metrics"
 
     t0 = time.monotonic()
@@ -232,11 +235,11 @@ def test_soak_leaks_nothing(cpu_tiny_server, capsys):
     finished = finished_total(after_page) - finished_before
     # Tokens generated for the dropped requests before vLLM aborted them.
     dropped_tokens = (
-        gauge(after_page, "vllm:generation_tokens_total")
+        metric_sum(after_page, "vllm:generation_tokens_total")
         - tokens_before
         - (
-            gauge(after_page, "vllm:request_generation_tokens_sum")
-            - gauge(first, "vllm:request_generation_tokens_sum")
+            metric_sum(after_page, "vllm:request_generation_tokens_sum")
+            - metric_sum(first, "vllm:request_generation_tokens_sum")
         )
     )
     deficit = teacher_forcing_deficit(base, [rng.randrange(3, VOCAB) for _ in range(57)], 24)
