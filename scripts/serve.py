@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import recipe  # this folder is first on sys.path when the script runs
+
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def ensure_tiny_model(model: Path) -> None:
@@ -29,6 +33,24 @@ def ensure_tiny_model(model: Path) -> None:
          "--quiet", "--out", str(model)],
         check=True,
     )
+
+
+def fresh_metrics_dir() -> Path:
+    """An empty prometheus_client multiprocess directory for this server.
+
+    With it, vLLM's /metrics aggregates series written by other processes: the DSpark
+    drafter's (overlay ``dspark_metrics``). The server keeps this process id (exec), so the
+    directory is named after it, and directories of servers that are gone are removed here.
+    """
+    root = Path(tempfile.gettempdir()) / f"vllm-metrics-{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    for old in root.iterdir():
+        if old.name.isdigit() and not Path(f"/proc/{old.name}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    path = root / str(os.getpid())
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     print("serve: " + " ".join(cmd), flush=True)
     if args.dry_run:
         return 0
+    if not env.get(METRICS_ENV):
+        env[METRICS_ENV] = str(fresh_metrics_dir())
     os.execve(cmd[0], cmd, env)
     return 0  # not reached
 

@@ -7,7 +7,8 @@
 The port and served model name come from the recipe profile (scripts/recipe.py), so this
 checks the server the profile describes. It passes when /health is 200, the model is listed,
 one chat completion returns text, and /metrics shows vLLM's speculative-decoding counters
-going up across that completion (drafts proposed, tokens accepted). Exit 0 pass, 1 fail.
+going up across that completion (drafts proposed, tokens accepted), and prints what the
+DSpark drafter did (vllm:dspark_* series, when the server exports them). Exit 0 pass, 1 fail.
 Only the standard library (plus the recipe tool's PyYAML); an API key is read from
 VLLM_API_KEY.
 """
@@ -22,9 +23,11 @@ import time
 import urllib.error
 import urllib.request
 
+from bench.dspark import dspark_delta, format_dspark
+
 # Run as a file, so this folder is first on sys.path: the bench package and recipe.py
 # are importable by their plain names (bench.prometheus is standard library only).
-from bench.prometheus import spec_decode_counters, spec_decode_delta
+from bench.prometheus import dspark_snapshot, spec_decode_counters, spec_decode_delta
 
 PROMPT = "List the first ten prime numbers, separated by commas."
 
@@ -68,11 +71,11 @@ def check_health(base: str) -> str:
     return "health 200"
 
 
-def metrics(base: str) -> dict | None:
+def metrics(base: str) -> str:
     status, body = request(f"{base}/metrics")
     if status != 200:
         raise SmokeError(f"{base}/metrics answered {status}")
-    return spec_decode_counters(body)
+    return body
 
 
 def run(base: str, model: str, max_tokens: int, timeout: float) -> list[str]:
@@ -87,7 +90,8 @@ def run(base: str, model: str, max_tokens: int, timeout: float) -> list[str]:
                          "is this the profile the server was started with?")
     lines.append(f"model {model} listed")
 
-    before = metrics(base)
+    before_page = metrics(base)
+    before = spec_decode_counters(before_page)
     payload = {
         "model": model,
         "messages": [{"role": "user", "content": PROMPT}],
@@ -110,7 +114,8 @@ def run(base: str, model: str, max_tokens: int, timeout: float) -> list[str]:
         raise SmokeError(f"chat completion returned no text ({completion_tokens} tokens): {body[:300]!r}")
     lines.append(f"chat completion: {completion_tokens} tokens in {elapsed:.2f}s: {text.strip()[:80]!r}")
 
-    after = metrics(base)
+    after_page = metrics(base)
+    after = spec_decode_counters(after_page)
     if after is None:
         raise SmokeError("/metrics has no vllm:spec_decode_* counters: speculative decoding is off "
                          "(check the profile's speculative section and the server log)")
@@ -126,6 +131,14 @@ def run(base: str, model: str, max_tokens: int, timeout: float) -> list[str]:
         f"{delta['num_accepted_tokens']} accepted (rate {rate_text}, mean acceptance length "
         f"{delta['mean_acceptance_length']:.2f}; per position: {per_pos})"
     )
+    dspark = dspark_delta(dspark_snapshot(before_page), dspark_snapshot(after_page))
+    if dspark is None:
+        lines.append("dspark: no vllm:dspark_* series on /metrics (the server was started "
+                     "without PROMETHEUS_MULTIPROC_DIR; scripts/serve.py sets it)")
+    elif sum(dspark["steps"].values()) <= 0:
+        raise SmokeError("the completion ran, but vllm:dspark_steps_total did not move")
+    else:
+        lines.append(f"dspark: {format_dspark(dspark)}")
     return lines
 
 

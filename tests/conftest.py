@@ -146,3 +146,12 @@ def sdist_copy(pristine_sdist, tmp_path) -> Path:
     dst = tmp_path / "src"
     _copy_py_tree(pristine_sdist, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def cpu_tiny_server(tmp_path_factory):
+    """The real cpu-tiny server (scripts/serve.py), started once for every serving test."""
+    from support.cpu_server import start_cpu_tiny_server
+
+    with start_cpu_tiny_server(tmp_path_factory.mktemp("serve") / "server.log") as server:
+        yield server

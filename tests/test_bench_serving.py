@@ -107,6 +107,20 @@ class FakeServer:
                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"
                 f'{{engine="0",model_name="fake-model",position="{pos}"}} {float(n)}'
             )
+        # The DSpark drafter's series, as the overlay exports them: one flat step per draft
+        # and one ragged step per arriving request (its prefill beside running decodes).
+        labels = 'engine="0",model_name="fake-model"'
+        lines += [
+            f'vllm:dspark_steps_total{{{labels},path="flat"}} {float(self.drafts)}',
+            f'vllm:dspark_steps_total{{{labels},path="ragged"}} {float(self.arrivals)}',
+            f'vllm:dspark_steps_total{{{labels},path="packed"}} 0.0',
+            f'vllm:dspark_context_rows_total{{{labels},kind="stored"}} {float(self.accepted)}',
+            f'vllm:dspark_context_rows_total{{{labels},kind="rejected"}} '
+            f"{float(self.draft_tokens - self.accepted)}",
+            f"vllm:dspark_drafts_discarded_total{{{labels}}} 0.0",
+            f"vllm:dspark_ring_slots_in_use{{{labels}}} 0.0",
+            f"vllm:dspark_ring_slots_total{{{labels}}} 8.0",
+        ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -312,6 +326,14 @@ def test_spec_decode_deltas_come_from_metrics(fake):
         assert spec["mean_acceptance_length"] == pytest.approx(TOKENS_PER_CHUNK)
         assert spec["acceptance_rate"] == pytest.approx((TOKENS_PER_CHUNK - 1) / SPEC_K)
         assert spec["acceptance_per_position"] == pytest.approx([1.0, 0.0, 0.0, 0.0])
+        dspark = run["dspark"]  # the drafter's series, over the same level only
+        assert dspark["steps"] == {"flat": n * steps, "ragged": n, "packed": 0}
+        assert dspark["ragged_share"] == pytest.approx(n / (n * steps + n))
+        assert dspark["context_rows"] == {
+            "stored": n * steps * (TOKENS_PER_CHUNK - 1),
+            "rejected": n * steps * (SPEC_K - TOKENS_PER_CHUNK + 1),
+        }
+        assert (dspark["ring_slots_in_use"], dspark["ring_slots_total"]) == (0, 8)
 
 
 def test_prompts_have_exact_lengths_and_unique_prefixes(fake):
@@ -530,6 +552,7 @@ def _tiny_result() -> dict:
             "mean_acceptance_length": 2.5,
             "acceptance_per_position": [0.75, 0.5, 0.25, 0.0],
         },
+        "dspark": None,
         "requests": [
             {
                 "index": 0,

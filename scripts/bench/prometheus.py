@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .dspark import dspark_delta, dspark_from_samples
+
 Sample = tuple[str, dict[str, str], float]
 
 # vLLM's speculative-decoding counters (Prometheus names as exposed on /metrics).
@@ -100,6 +102,11 @@ def spec_counters_from_samples(samples: list[Sample]) -> dict[str, Any] | None:
     }
 
 
+def dspark_snapshot(text: str) -> dict[str, Any] | None:
+    """The DSpark drafter's series of a /metrics page (see ``dspark.dspark_from_samples``)."""
+    return dspark_from_samples(parse_prometheus(text))
+
+
 def spec_decode_counters(text: str) -> dict[str, Any] | None:
     """Spec-decode counters of a /metrics page (see `spec_counters_from_samples`)."""
     return spec_counters_from_samples(parse_prometheus(text))
@@ -154,6 +161,7 @@ class LevelSeries:
 
 LEVEL_SERIES: tuple[LevelSeries, ...] = (
     LevelSeries("spec_decode", spec_counters_from_samples, spec_decode_delta),
+    LevelSeries("dspark", dspark_from_samples, dspark_delta),
 )
 
 

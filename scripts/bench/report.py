@@ -16,6 +16,7 @@ def _p(stats: dict | None, key: str, scale: float = 1.0, digits: int = 1) -> str
 
 def _level_row(r: dict[str, Any]) -> str:
     spec = r.get("spec_decode") or {}
+    dspark = r.get("dspark") or {}
     ttft, itl = r["ttft_s"], r["itl_s"]
     return (
         f"| {r['prompt_len']} | {r['concurrency']} | {r['num_ok']}/{r['num_requests']} "
@@ -24,7 +25,8 @@ def _level_row(r: dict[str, Any]) -> str:
         f"| {_p(r['decode_tok_s_per_stream'], 'p50')} "
         f"| {_f(r['aggregate_decode_tok_s'])} | {_f(r['output_tok_s'])} "
         f"| {_f(spec.get('mean_acceptance_length'), digits=2)} "
-        f"| {_f(spec.get('acceptance_rate'), digits=3)} |"
+        f"| {_f(spec.get('acceptance_rate'), digits=3)} "
+        f"| {_f(dspark.get('ragged_share'), digits=2)} |"
     )
 
 
@@ -48,8 +50,8 @@ def markdown_report(result: dict[str, Any]) -> str:
         "",
         "| prompt | conc | ok/n | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) "
         "| stream decode p50 (tok/s) | aggregate decode (tok/s) | output (tok/s) "
-        "| accept len | accept rate |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| accept len | accept rate | ragged share |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_level_row(r) for r in result["runs"]]
     per_pos = [

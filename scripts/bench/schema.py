@@ -79,6 +79,22 @@ SPEC_DECODE = Obj(
     nullable=True,
 )
 
+DSPARK = Obj(
+    {
+        "steps": Obj({p: Value(INT, min=0) for p in ("flat", "ragged", "packed")},
+                     "engine steps by context path (packed steps are also flat or ragged)"),
+        "context_rows": Obj({k: Value(INT, min=0) for k in ("stored", "rejected")},
+                            "context rows written to rings / rejected rows never written"),
+        "drafts_discarded": Value(INT, "draft tokens of requests still in chunked prefill",
+                                  min=0),
+        "ragged_share": Value(NUM, "ragged / (flat + ragged) steps", nullable=True),
+        "ring_slots_in_use": Value(INT, "ring rows held at the end of the level", min=0),
+        "ring_slots_total": Value(INT, "ring rows (max_num_seqs)", min=0),
+    },
+    "the DSpark drafter's series over the level (null: the server exports none)",
+    nullable=True,
+)
+
 REQUEST = Obj(
     {
         "status": Value(STR, "one of REQUEST_STATUSES"),
@@ -120,6 +136,7 @@ RUN = Obj(
         "decode_tok_s_per_stream": stats("per-request decode tok/s (excludes TTFT)"),
         "e2e_s": stats("request latency (s)"),
         "spec_decode": SPEC_DECODE,
+        "dspark": DSPARK,
         "requests": ListOf(REQUEST, "one entry per request, in send order"),
     }
 )

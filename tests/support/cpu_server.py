@@ -1,0 +1,102 @@
+"""The real cpu-tiny server for end-to-end tests: `scripts/serve.py` on a free loopback port.
+
+`start_cpu_tiny_server(log)` starts it in its own session, waits (bounded) for /health, yields a
+`CpuServer` and always stops the whole process group. `process_tree_rss` reads the memory
+of the server and its engine processes from /proc, for tests that report it. The tests
+share one server through the session fixture `cpu_tiny_server` (conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from support.net import free_port
+
+STARTUP_S = 600
+
+
+@dataclass(frozen=True)
+class CpuServer:
+    base_url: str
+    pid: int  # the API server (serve.py execs it)
+    log: Path
+
+
+@contextlib.contextmanager
+def start_cpu_tiny_server(log: Path, startup_s: float = STARTUP_S) -> Iterator[CpuServer]:
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # serve.py gives the server a fresh one
+    cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--profile", "cpu-tiny"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_s
+    try:
+        while not _healthy(base):
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {startup_s}s:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield CpuServer(base, proc.pid, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _healthy(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def child_pids(pid: int) -> set[int]:
+    """All descendants of pid (the engine core and its workers for a vLLM server)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            kids = {int(k) for k in task.read_text().split()}
+            todo.extend(kids - found)
+            found |= kids
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def process_tree_rss(pid: int) -> dict[str, float]:
+    """Resident memory (MiB) of the API server and of it plus its descendants."""
+    tree = sum(rss_mib(p) for p in child_pids(pid) if Path(f"/proc/{p}").exists())
+    api = rss_mib(pid)
+    return {"api_server_mib": api, "server_tree_mib": api + tree}
