@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -22,41 +21,46 @@ pytestmark = pytest.mark.e2e
 
 CHUNK = 64
 
-# Run in a fresh interpreter per architecture: vLLM caches platform facts at import.
+ARCHS = ("X86", "ARM")
+
+# vLLM's config pass for each architecture named in argv[3:], one JSON line each; in its own
+# interpreter because the config pass exports process-wide settings (LD_PRELOAD, threads).
 _CONFIG_PASS = """
 import json, sys
-from vllm.platforms.interface import CpuArchEnum, Platform
-arch = CpuArchEnum[sys.argv[2]]
-Platform.get_cpu_architecture = classmethod(lambda cls: arch)
 from vllm.engine.arg_utils import EngineArgs
-cfg = EngineArgs(model=sys.argv[1], dtype="bfloat16", enforce_eager=True, max_model_len=512,
-                 max_num_batched_tokens=int(sys.argv[3]), max_num_seqs=4).create_engine_config()
-print(json.dumps({"chunked": cfg.scheduler_config.enable_chunked_prefill,
-                  "budget": cfg.scheduler_config.max_num_batched_tokens,
-                  "block_size": cfg.cache_config.block_size}))
+from vllm.platforms.interface import CpuArchEnum, Platform
+for name in sys.argv[3:]:
+    arch = CpuArchEnum[name]
+    Platform.get_cpu_architecture = classmethod(lambda cls, arch=arch: arch)
+    cfg = EngineArgs(model=sys.argv[1], dtype="bfloat16", enforce_eager=True,
+                     max_model_len=512, max_num_batched_tokens=int(sys.argv[2]),
+                     max_num_seqs=4).create_engine_config()
+    print(json.dumps({"arch": name, "chunked": cfg.scheduler_config.enable_chunked_prefill,
+                      "budget": cfg.scheduler_config.max_num_batched_tokens,
+                      "block_size": cfg.cache_config.block_size}))
 """
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-arch") / "tiny-dsv4"
+def configs(tmp_path_factory) -> dict[str, dict]:
+    model = tmp_path_factory.mktemp("tiny-arch") / "tiny-dsv4"
     subprocess.run(
-        [sys.executable, str(REPO / "scripts/make_tiny_model.py"), "--out", str(out),
+        [sys.executable, str(REPO / "scripts/make_tiny_model.py"), "--out", str(model),
          "--layers", "1", "--compress-ratios", "0", "--quiet"],
         check=True, timeout=300,
     )  # fmt: skip
-    return out
-
-
-@pytest.mark.parametrize("arch", ["X86", "ARM"])
-def test_deepseek_v4_keeps_chunked_prefill(tiny_model, arch):
     out = subprocess.run(
-        [sys.executable, "-c", _CONFIG_PASS, str(tiny_model), arch, str(CHUNK)],
+        [sys.executable, "-c", _CONFIG_PASS, str(model), str(CHUNK), *ARCHS],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    config = json.loads(out.stdout.strip().splitlines()[-1])
-    assert config == {"chunked": True, "budget": CHUNK, "block_size": 256}, config
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"arch"')]
+    return {row.pop("arch"): row for row in rows}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deepseek_v4_keeps_chunked_prefill(configs, arch):
+    assert configs[arch] == {"chunked": True, "budget": CHUNK, "block_size": 256}, configs
