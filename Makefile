@@ -83,7 +83,7 @@ bench: setup ## micro-benchmarks; plus the serving sweep if a server answers on 
 lint: setup ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check scripts tests overlay
 	$(VENV)/bin/hadolint docker/Dockerfile
-	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh docker/entrypoint.sh
+	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh scripts/find_python.sh docker/entrypoint.sh
 
 apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (OVERLAY_MODE=--link for development)
 	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)
