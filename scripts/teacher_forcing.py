@@ -30,6 +30,7 @@ class OracleReport:
     epsilon: float
     violations: list[tuple[int, int, float]]  # (request index, output token index, deficit)
     token_identical: int | None  # outputs equal to reference_outputs, if one was given
+    request_worst: tuple[float, ...] = ()  # worst deficit of each request
 
     @property
     def ok(self) -> bool:
@@ -89,7 +90,8 @@ def report(
     violations = [
         (i, j, d) for i, row in enumerate(deficits) for j, d in enumerate(row) if d > epsilon
     ]
-    return OracleReport(worst, epsilon, violations, token_identical)
+    per_request = tuple(max(row, default=0.0) for row in deficits)
+    return OracleReport(worst, epsilon, violations, token_identical, per_request)
 
 
 def _check_batch(name: str, rows: Sequence[Sequence[int]], n: int) -> None:
@@ -131,7 +133,5 @@ def teacher_force(
     ]
     identical = None
     if reference_outputs is not None:
-        identical = sum(
-            list(o) == list(r) for o, r in zip(outputs, reference_outputs, strict=True)
-        )
+        identical = sum(list(o) == list(r) for o, r in zip(outputs, reference_outputs, strict=True))
     return report(deficits, epsilon, identical)
