@@ -125,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     target_kwargs = recipe.engine_args(profile, speculative=False, demo=True)
     model = ensure_model((args.model or Path(spec_kwargs["model"])).resolve())
     spec_kwargs["model"] = target_kwargs["model"] = str(model)
-    target_kwargs.pop("model")
     chunk = spec_kwargs["max_num_batched_tokens"]
     num_spec = spec_kwargs["speculative_config"]["num_speculative_tokens"]
     print(f">> model: {model.relative_to(REPO) if model.is_relative_to(REPO) else model}")
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     print(">> [1/3] greedy decoding without speculation (plain target, child process)")
-    with PlainTarget(model, {**target_kwargs, "seed": 0}) as target:
+    with PlainTarget({**target_kwargs, "seed": 0}) as target:
         engine = make_engine(spec_kwargs)
         tok = engine.get_tokenizer()
         batch = prompts(tok)

@@ -13,18 +13,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
-from pathlib import Path
 from typing import Any
 
 from teacher_forcing import EPSILON_NATS, OracleReport, teacher_force
 
 
-def _serve(conn, model: str, engine_kwargs: dict[str, Any]) -> None:
+def _serve(conn, engine_kwargs: dict[str, Any]) -> None:
     """Child: build the plain target, answer (method, args) until ``close``."""
     try:
         from vllm import LLM
 
-        llm = LLM(model=model, **engine_kwargs)
+        llm = LLM(**engine_kwargs)
         conn.send(("ok", None))
     except Exception:  # the parent raises it with the child's traceback
         conn.send(("error", traceback.format_exc()))
@@ -53,14 +52,11 @@ def _greedy(llm, prefixes: list[list[int]], max_tokens: int) -> list[list[int]]:
 class PlainTarget:
     """Handle on the child's plain-target engine; use as a context manager."""
 
-    def __init__(
-        self, model: Path | str, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None
-    ):
+    def __init__(self, engine_kwargs: dict[str, Any], env: dict[str, str] | None = None):
+        """``engine_kwargs``: ``vllm.LLM`` arguments (``model`` included, no speculation)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve, args=(child, str(model), engine_kwargs), daemon=True
-        )
+        self._proc = ctx.Process(target=_serve, args=(child, engine_kwargs), daemon=True)
         saved = {k: os.environ.get(k) for k in env or {}}
         os.environ.update(env or {})
         try:
