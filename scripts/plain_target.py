@@ -15,7 +15,7 @@ import os
 import traceback
 from typing import Any
 
-from teacher_forcing import EPSILON_NATS, OracleReport, teacher_force
+from teacher_forcing import EPSILON_NATS, OracleReport, prompt_logprobs, teacher_force
 
 
 def _serve(conn, engine_kwargs: dict[str, Any]) -> None:
@@ -33,10 +33,10 @@ def _serve(conn, engine_kwargs: dict[str, Any]) -> None:
         if method == "close":
             return
         try:
-            if method == "greedy":
-                conn.send(("ok", _greedy(llm, *args)))
-            else:
-                conn.send(("ok", teacher_force(llm, *args)))
+            call = {"greedy": _greedy, "prompt_logprobs": prompt_logprobs}.get(
+                method, teacher_force
+            )
+            conn.send(("ok", call(llm, *args)))
         except Exception:
             conn.send(("error", traceback.format_exc()))
 
@@ -83,6 +83,13 @@ class PlainTarget:
         """The target's greedy continuation (``max_tokens`` tokens) of each prefix."""
         self._conn.send(("greedy", (prefixes, max_tokens)))
         return self._answer("decoding greedily")
+
+    def prompt_logprobs(
+        self, sequences: list[list[int]], top: int, alone: bool = False
+    ) -> list[list[dict[int, float] | None]]:
+        """``teacher_forcing.prompt_logprobs`` on the child's engine."""
+        self._conn.send(("prompt_logprobs", (sequences, top, alone)))
+        return self._answer("scoring prompt logprobs")
 
     def teacher_force(
         self,

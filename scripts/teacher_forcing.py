@@ -99,6 +99,29 @@ def _check_batch(name: str, rows: Sequence[Sequence[int]], n: int) -> None:
         raise ValueError(f"{name} must have one entry per prompt ({n}), got {len(rows)}")
 
 
+def prompt_logprobs(
+    llm, sequences: list[list[int]], top: int, alone: bool = False
+) -> list[list[dict[int, float] | None]]:
+    """Per sequence and position: token id -> logprob for the ``top`` best tokens and the
+    token actually there (``None`` at position 0). ``alone``: one engine call per sequence,
+    so each is scored in a batch of its own."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top, detokenize=False)
+    batches = [[s] for s in sequences] if alone else [sequences]
+    results = [
+        res
+        for batch in batches
+        for res in llm.generate(
+            [{"prompt_token_ids": list(s)} for s in batch], params, use_tqdm=False
+        )
+    ]
+    return [
+        [None if d is None else {t: v.logprob for t, v in d.items()} for d in res.prompt_logprobs]
+        for res in results
+    ]
+
+
 def teacher_force(
     llm,
     prompts: list[list[int]],
@@ -111,8 +134,6 @@ def teacher_force(
     ``reference_outputs`` (greedy without speculation, say) only feeds the token-identical
     count. Raises ``ValueError`` on mismatched batch sizes or empty prompts, before scoring.
     """
-    from vllm import SamplingParams
-
     _check_batch("outputs", outputs, len(prompts))
     if reference_outputs is not None:
         _check_batch("reference_outputs", reference_outputs, len(prompts))
@@ -121,15 +142,12 @@ def teacher_force(
             raise ValueError(f"prompts[{i}] is empty: position 0 has no logprob to score")
     # top-1 is enough: the best logprob at each position is all the deficit needs, and vLLM
     # always adds the logprob of the token actually at that position.
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
-    scored = llm.generate(
-        [{"prompt_token_ids": list(p) + list(o)} for p, o in zip(prompts, outputs, strict=True)],
-        params,
-        use_tqdm=False,
+    scored = prompt_logprobs(
+        llm, [list(p) + list(o) for p, o in zip(prompts, outputs, strict=True)], top=1
     )
     deficits = [
-        token_deficits(res.prompt_logprobs, len(p), o)
-        for res, p, o in zip(scored, prompts, outputs, strict=True)
+        token_deficits(scores, len(p), o)
+        for scores, p, o in zip(scored, prompts, outputs, strict=True)
     ]
     identical = None
     if reference_outputs is not None:
