@@ -27,18 +27,14 @@ import time
 from pathlib import Path
 
 from oracle_drafts import OracleDrafts
-from plain_target import PlainTarget
+from plain_target import ENGINE_ENV_DEFAULTS, PlainTarget
 from teacher_forcing import report
 
 import recipe
 
 REPO = Path(__file__).resolve().parent.parent
 
-for key, value in {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}.items():
+for key, value in ENGINE_ENV_DEFAULTS.items():  # this process runs an engine too
     os.environ.setdefault(key, value)
 
 _TEXT = (

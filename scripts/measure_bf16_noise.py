@@ -18,7 +18,6 @@ Usage: python scripts/measure_bf16_noise.py [--model DIR] [--tokens 32]
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -31,13 +30,6 @@ import recipe
 
 LENGTHS = [1, 4, 11, 27, 64, 130, 201, 300]
 TOP = 5  # logprobs kept per position: a near-tie runner-up is always among them
-
-for key, value in {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}.items():
-    os.environ.setdefault(key, value)
 
 
 def conditions(amx: bool) -> list[tuple[str, dict, dict, bool]]:

@@ -17,6 +17,13 @@ from typing import Any
 
 from teacher_forcing import EPSILON_NATS, OracleReport, prompt_logprobs, teacher_force
 
+# In-process vLLM on CPU without network: what the child needs, unless the caller says else.
+ENGINE_ENV_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
 
 def _serve(conn, engine_kwargs: dict[str, Any]) -> None:
     """Child: build the plain target, answer (method, args) until ``close``."""
@@ -57,8 +64,9 @@ class PlainTarget:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, engine_kwargs), daemon=True)
-        saved = {k: os.environ.get(k) for k in env or {}}
-        os.environ.update(env or {})
+        env = {**{k: os.environ.get(k, v) for k, v in ENGINE_ENV_DEFAULTS.items()}, **(env or {})}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             self._proc.start()  # a spawned child copies os.environ at start
         finally:
