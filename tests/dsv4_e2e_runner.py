@@ -6,7 +6,10 @@ Run in a subprocess whose PYTHONPATH selects the vLLM tree (overlay applied or n
          [--max-tokens 10] [--batched-tokens 64] [--interpreter ORACLE_DIR]
 
 It generates the prompts batched, then each prompt alone, with chunked prefill limited to
-``--batched-tokens`` so steps mix prefill chunks and decodes, and writes the tokens, the
+``--batched-tokens`` so steps mix prefill chunks and decodes, scores both by teacher forcing
+with the same engine (the greedy oracle: every token must be the argmax given its own
+prefix; token equality of batched and alone is reported, not required, since bf16 kernels
+round differently per batch shape), and writes the tokens, the oracle's reports, the
 engine settings that matter, what the scheduler did in the batched run (steps mixing
 prefill chunks and decodes, prefills split over several steps), how often each DeepSeek-V4
 CPU kernel was called, which of them are the overlay's torch versions, and the timings as
@@ -22,7 +25,10 @@ import os
 import random
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+
+from support.greedy_oracle import teacher_force
 
 
 def prompts_for(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -158,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         list(llm.generate([pr], params, use_tqdm=False)[0].outputs[0].token_ids) for pr in prompts
     ]
     t3, c3 = time.perf_counter(), time.process_time()
+    oracle = {
+        "batched": asdict(teacher_force(llm, token_prompts, batched, reference_outputs=single)),
+        "single": asdict(teacher_force(llm, token_prompts, single)),
+    }
     report = {
         "lens": lens,
         "batched": batched,
         "single": single,
+        "oracle": oracle,
         "chunked_prefill": bool(sched.enable_chunked_prefill),
         "max_num_batched_tokens": int(sched.max_num_batched_tokens),
         "batched_steps": batched_steps,

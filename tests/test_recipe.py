@@ -143,3 +143,29 @@ def test_cpu_profile_points_at_the_local_tiny_model():
     model = argv[argv.index("--model") + 1]
     assert model == str(REPO / "models" / "tiny-dsv4-dspark")
     assert "--enforce-eager" in argv and "--revision" not in argv
+
+
+def test_demo_engine_args_come_from_the_cpu_tiny_profile():
+    profile = recipe.load_profile("cpu-tiny")
+    srv = profile["serving"]
+    demo = recipe.engine_args(profile, demo=True)
+    plain = recipe.engine_args(profile, speculative=False)
+    assert demo["max_num_batched_tokens"] == profile["demo"]["max_num_batched_tokens"]
+    assert plain["max_num_batched_tokens"] == srv["max_num_batched_tokens"]
+    assert "speculative_config" not in plain
+    assert demo["speculative_config"] == recipe.speculative_config(profile)
+    for key in ("max_model_len", "max_num_seqs", "enforce_eager", "enable_prefix_caching"):
+        assert demo[key] == plain[key] == srv[key]
+    assert demo["model"] == plain["model"] == recipe.model_ref(profile)
+
+
+def test_demo_budget_must_hold_one_verify_step():
+    profile = copy.deepcopy(recipe.load_profile("cpu-tiny"))
+    rows = profile["serving"]["max_num_seqs"] * (
+        profile["speculative"]["num_speculative_tokens"] + 1
+    )
+    profile["demo"]["max_num_batched_tokens"] = rows
+    recipe.validate(copy.deepcopy(profile))
+    profile["demo"]["max_num_batched_tokens"] = rows - 1
+    with pytest.raises(recipe.RecipeError, match=rf"demo\.max_num_batched_tokens: {rows - 1} cannot hold"):
+        recipe.validate(profile)
