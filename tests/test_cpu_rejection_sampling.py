@@ -56,9 +56,7 @@ def test_expand_empty_batch_writes_nothing():
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """Run the probe in a fresh process (see its docstring for why)."""
-    proc = subprocess.run(
-        [sys.executable, str(PROBE)], capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         pytest.fail(f"rejection probe failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -68,8 +66,12 @@ def test_registration_survives_numba_and_expands_every_dtype(probe):
     """The probe imported numba before registering; vLLM's own expand keeps each dtype."""
     exp = probe["expansion"]
     cu = exp["cu_num_tokens"]
-    for name, replace in [("temperature", (0, 1)), ("int64", (0, 1)), ("top_k", (0, 0)),
-                          ("top_p", (0, 0))]:
+    for name, replace in [
+        ("temperature", (0, 1)),
+        ("int64", (0, 1)),
+        ("top_k", (0, 0)),
+        ("top_p", (0, 0)),
+    ]:
         case = exp[name]
         assert case["output"] == expand_reference(case["input"], cu, *replace), name
     assert exp["temperature"]["dtype"] == "torch.float32"
