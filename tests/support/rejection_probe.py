@@ -78,6 +78,20 @@ def mixed_batch(rs, with_draft_probs: bool) -> dict:
     }
 
 
+def no_draft_step(rs) -> list[int]:
+    """A speculative step in which no request drafted, one sampled request using top-k only."""
+    meta = SimpleNamespace(
+        temperature=torch.tensor([0.0, 0.8]),
+        all_greedy=False,
+        all_random=False,
+        top_k=torch.tensor([VOCAB, 3], dtype=torch.int32),
+        top_p=None,
+        generators={},
+    )
+    cu = torch.zeros(2, dtype=torch.int32)
+    return list(rs.apply_sampling_constraints(torch.empty(0, VOCAB), cu, meta).shape)
+
+
 def main() -> None:
     import numba  # noqa: F401  (loads llvmlite before the kernel overrides are registered)
     from vllm.platforms import current_platform
@@ -91,6 +105,7 @@ def main() -> None:
                 "expansion": expansion(rs),
                 "with_draft_probs": mixed_batch(rs, with_draft_probs=True),
                 "without_draft_probs": mixed_batch(rs, with_draft_probs=False),
+                "no_draft_step_shape": no_draft_step(rs),
                 "placeholder": rs.PLACEHOLDER_TOKEN_ID,
                 "temperature": TEMPERATURE,
                 "bonus_mark": BONUS_MARK,
