@@ -61,7 +61,7 @@ SPECULATIVE = {
     "ngram": {
         "method": "ngram",
         "num_speculative_tokens": 4,
-        "prompt_lookup_min": 2,
+        "prompt_lookup_min": 1,
         "prompt_lookup_max": 4,
     },
 }
