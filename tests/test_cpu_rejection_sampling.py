@@ -54,6 +54,17 @@ def test_expand_empty_batch_writes_nothing():
     assert output.tolist() == [7.0, 7.0, 7.0]
 
 
+@pytest.mark.parametrize(
+    ("output_len", "cu", "match"),
+    [(4, [2, 5], "output holds 4 tokens"), (8, [2, 5, 6], "one entry per request")],
+)
+def test_expand_rejects_mismatched_shapes_before_writing(output_len, cu, match):
+    output = torch.zeros(output_len)
+    with pytest.raises(ValueError, match=match):
+        expand_kernel_impl(output, torch.tensor([1.0, 2.0]), torch.tensor(cu), 0, 1)
+    assert output.tolist() == [0.0] * output_len
+
+
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """Run the probe in a fresh process (see its docstring for why)."""

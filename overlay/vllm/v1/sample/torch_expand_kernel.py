@@ -27,9 +27,16 @@ def expand_kernel_impl(
     the inclusive cumulative token count per request; positions past ``cu[-1]`` are left as
     they are.
     """
+    if cu_num_tokens.shape != input_val.shape:
+        raise ValueError(
+            f"cu_num_tokens must have one entry per request, shape {tuple(input_val.shape)}; "
+            f"got {tuple(cu_num_tokens.shape)}"
+        )
     if input_val.numel() == 0:
         return
     values = torch.where(input_val == replace_from, replace_to, input_val)
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
     total = int(cu_num_tokens[-1])
+    if output.shape[0] < total:
+        raise ValueError(f"output holds {output.shape[0]} tokens, cu_num_tokens[-1] = {total}")
     output[:total] = values.repeat_interleave(counts, output_size=total).to(output.dtype)
