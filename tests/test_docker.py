@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.spark_host import (
+    API_KEY,
     ENTRYPOINT,
     PREFLIGHT,
     REPO,
@@ -109,6 +110,7 @@ def example_values() -> dict[str, str]:
 
 def head_values(**over) -> dict[str, str]:
     v = example_values()
+    v["VLLM_API_KEY"] = API_KEY  # the example leaves it empty: the user must choose one
     v.update(over)
     return v
 
@@ -485,7 +487,8 @@ def ep(tmp_path):
                          PROFILE=str(profile_path), DSPARK_HOME=str(REPO), HEAD_WAIT_POLL_S="0.2")
             e.update(NODE_RANK="0", MASTER_ADDR=HEAD_IP, VLLM_HOST_IP=HEAD_IP,
                      NCCL_SOCKET_IFNAME="enp1s0f0np0", NCCL_IB_HCA="=rocep1s0f0,roceP2p1s0f0",
-                     NCCL_IB_GID_INDEX="auto", NCCL_IB_MERGE_NICS="", NCCL_DEBUG="WARN")
+                     NCCL_IB_GID_INDEX="auto", NCCL_IB_MERGE_NICS="", NCCL_DEBUG="WARN",
+                     VLLM_API_KEY=API_KEY)
             e.update(env)
             e = {k: v for k, v in e.items() if v is not None}
             r = subprocess.run([str(ENTRYPOINT), *args], env=e, capture_output=True, text=True,
