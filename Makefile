@@ -22,7 +22,7 @@ TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
 .PHONY: help setup demo serve test test-fast bench lint apply revert check model \
-        image up down logs smoke clean
+        image up down logs smoke audit clean
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -123,9 +123,13 @@ down: ## stop and remove this node's container
 logs: ## follow this node's vLLM log
 	$(COMPOSE) logs -f --tail=200
 
-smoke: ## chat completion + spec-decode counters: the Spark pair if docker/.env exists, else `make serve`
-	@if [ -f $(SPARK_ENV) ]; then $(COMPOSE) exec -T vllm /opt/dspark/docker/entrypoint.sh smoke; \
+smoke: ## chat completion + spec-decode counters (+ socket audit): the Spark pair if docker/.env exists, else `make serve`
+	@if [ -f $(SPARK_ENV) ]; then $(COMPOSE) exec -T vllm /opt/dspark/docker/entrypoint.sh smoke && \
+	  scripts/preflight.sh audit --env-file $(SPARK_ENV); \
 	else $(PY) scripts/smoke.py --profile $(PROFILE); fi
+
+audit: ## after start: fail if an inter-node port of this node's vLLM listens beyond the fabric link
+	scripts/preflight.sh audit --env-file $(SPARK_ENV)
 
 clean: ## remove the venv, caches and generated models
 	rm -rf $(VENV) $(CACHE) models

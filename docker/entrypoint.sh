@@ -2,7 +2,8 @@
 # Entrypoint of the DSpark vLLM image; one image and one compose service for both Spark roles.
 #
 #   serve [EXTRA_ARGS...]  (default) refuse to start without the overlay marker, check this
-#                          node's variables, unset empty NCCL/vLLM variables, resolve the RoCE v2
+#                          node's variables (the head refuses an empty VLLM_API_KEY unless
+#                          ALLOW_UNAUTHENTICATED_API=1), unset empty NCCL/vLLM variables, resolve the RoCE v2
 #                          GID index from sysfs, render `vllm serve` from the recipe profile
 #                          (scripts/recipe.py), on a worker wait for the head's master port,
 #                          log the command and exec it. EXTRA_ARGS go after the rendered ones.
@@ -14,7 +15,8 @@
 #   anything else          exec'd as given (e.g. bash).
 #
 # Environment: PROFILE (recipe profile name or path, default spark-2x), NODE_RANK, MASTER_ADDR,
-# VLLM_HOST_IP, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX (auto|nccl|N),
+# VLLM_HOST_IP, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX (auto|nccl|N), VLLM_API_KEY
+# (read by vLLM from the environment, never on the command line or in the log), API_HOST,
 # HEAD_WAIT_TIMEOUT_S (worker: seconds to wait for the head, 0 = do not wait). Overridable for
 # tests: DSPARK_HOME (recipe checkout, default: this script's ..), PYTHON, VLLM_BIN, SYSFS_ROOT.
 set -euo pipefail
@@ -185,9 +187,24 @@ wait_for_head() {
     done
 }
 
+# The key travels in the environment only: on the command line it would show in ps, in this
+# log and in vLLM's own argument log.
+refuse_key_args() {
+    local arg
+    for arg in "$@"; do
+        case $arg in
+            --api-key | --api-key=*)
+                die "--api-key on the command line would show in ps and in the logs" \
+                    "set VLLM_API_KEY in docker/.env instead (vLLM reads it from the environment)"
+                ;;
+        esac
+    done
+}
+
 # Renders the command into CMD (array) after all the checks.
 prepare() {
     local argv_text
+    refuse_key_args "$@"
     require_overlay
     load_profile
     local nnodes=${R_NNODES:-1}
@@ -207,6 +224,7 @@ prepare() {
         fi
     fi
     export_profile_env
+    [[ -n ${API_HOST:-} ]] && node_args+=(--api-host "$API_HOST")
     argv_text=$("$PYTHON" "$RECIPE" render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
         || die "cannot render the serve command from profile '$PROFILE': ${argv_text//$'\n'/; }"
     mapfile -t CMD <<<"$argv_text"
@@ -217,6 +235,11 @@ prepare() {
         ((NODE_RANK > 0)) && role="worker (node rank $NODE_RANK of $nnodes, headless)"
     fi
     log "profile $PROFILE, $role"
+    if [[ -n ${VLLM_API_KEY:-} ]]; then
+        log "API key: set (${#VLLM_API_KEY} characters); /health answers without it"
+    elif [[ $role != worker* ]]; then
+        log "API key: none (ALLOW_UNAUTHENTICATED_API=${ALLOW_UNAUTHENTICATED_API:-}): the API is open"
+    fi
     local name
     for name in VLLM_HOST_IP NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_IB_HCA \
         NCCL_IB_GID_INDEX NCCL_NET NCCL_DEBUG; do
@@ -235,10 +258,13 @@ serve() {
     exec "${CMD[@]}"
 }
 
-# Where the head's API answers from this container (host networking).
+# Where the head's API answers from this container (host networking): the worker asks the
+# head's fabric address, the head its own API_HOST (loopback when that is every interface).
 head_host() {
     if [[ -n ${NODE_RANK:-} && $NODE_RANK != 0 && -n ${MASTER_ADDR:-} ]]; then
         printf '%s' "$MASTER_ADDR"
+    elif [[ -n ${API_HOST:-} && $API_HOST != 0.0.0.0 ]]; then
+        printf '%s' "$API_HOST"
     else
         printf '127.0.0.1'
     fi

@@ -53,6 +53,11 @@ Usage:
       (read from the environment). With NCCL_IB_GID_INDEX=auto it is resolved from sysfs, a
       number is verified, `nccl` prints nothing (NCCL picks). docker/entrypoint.sh runs it at
       every start: the index moves across reboots.
+  scripts/preflight.sh audit [--env-file docker/.env]
+      After start (make audit): the listening TCP sockets of this node's vLLM processes
+      (ss -ltnp, pids from docker top) judged by scripts/recipe.py audit. The API port may
+      listen anywhere; every inter-node port must be on the fabric address, the fabric
+      interface or loopback (or be listed in FIREWALLED_PORTS). Exit 1 on any FAIL.
 Needs python3 with PyYAML on the host (sudo apt install python3-yaml).
 EOF
 }
@@ -596,12 +601,48 @@ run_resolve_gid() {
     return 1
 }
 
+# The probes only (ss, docker top); scripts/recipe.py audit judges what they saw.
+run_audit() {
+    local env_file="$REPO/docker/.env" ids id pids="" saved out rc
+    while (($#)); do
+        case $1 in
+            --env-file) env_file=$2; shift 2 ;;
+            *) echo "audit: unknown argument $1" >&2; return 2 ;;
+        esac
+    done
+    load_env_file "$env_file" || return 1
+    if ! command -v ss >/dev/null 2>&1; then
+        fail audit "ss not found: cannot list listening sockets" "sudo apt install iproute2"
+        return 1
+    fi
+    if command -v docker >/dev/null 2>&1 &&
+        ids=$(docker ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT" 2>/dev/null); then
+        for id in $ids; do
+            pids+=" $(docker top "$id" -eo pid 2>/dev/null | tail -n +2 | tr '\n' ' ')"
+        done
+    fi
+    saved=$(mktemp)
+    ss -ltnp >"$saved" 2>&1
+    local -a by_pid=()
+    [[ -n ${pids// /} ]] && by_pid=(--pids "$pids")
+    out=$(recipe audit "${PROFILE:-spark-2x}" --ss "$saved" "${by_pid[@]}" 2>&1)
+    rc=$?
+    rm -f "$saved"
+    report "$out"
+    if ((rc)); then
+        echo "audit: FAILED ($FAILS problem(s)); fix the FAIL lines above"
+        return 1
+    fi
+    echo "audit: OK ($WARNS warning(s))"
+}
+
 main() {
     local only="" skip="" c
     ENV_FILE="$REPO/docker/.env"
     case ${1:-} in
         check-env) shift; pick_python; run_check_env "$@"; return $? ;;
         resolve-gid) shift; run_resolve_gid; return $? ;;
+        audit) shift; pick_python; run_audit "$@"; return $? ;;
         -h|--help|help) usage; return 0 ;;
     esac
     while (($#)); do

@@ -11,6 +11,7 @@ is written once and checked once. Usage:
     python scripts/recipe.py env-file FILE           node .env -> `export` lines (never sourced)
     python scripts/recipe.py check-env [--container] [--nnodes N]   the node variables
     python scripts/recipe.py check-cache PROFILE --cache-dir DIR     model complete in the cache
+    python scripts/recipe.py audit PROFILE --ss FILE [--pids 1,2]    listening sockets (ss -ltnp)
 
 PROFILE is a name from recipe/profiles/ (``spark-2x``) or a path to a YAML file. Bad input
 exits with status 2 and one line per problem, naming the key and what is allowed.
@@ -491,10 +492,20 @@ def _node_command(args: argparse.Namespace) -> int:
     """Node policy (scripts/node/), shared by preflight.sh and the container entrypoint."""
     import os
 
-    from node import cache, env  # run as a file: scripts/ is first on sys.path
+    from node import audit, cache, env  # run as a file: scripts/ is first on sys.path
     from node.report import Report
 
     report = Report()
+    if args.cmd == "audit":
+        try:
+            profile = load_profile(args.profile)
+            rows = audit.parse_ss(args.ss.read_text())
+        except (RecipeError, OSError, ValueError) as exc:
+            report.fail("audit", f"cannot audit: {exc}", "fix the profile or the ss output file")
+            return report.exit_code
+        audit.check(rows, os.environ, profile["serving"]["port"],
+                    profile["parallel"]["master_port"], args.pids, report)
+        return report.exit_code
     if args.cmd == "env-file":
         values = env.parse_env_file(args.file, report)
         if values is not None:
@@ -515,6 +526,21 @@ def _node_command(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _pid_set(text: str) -> set[int]:
+    try:
+        return {int(p) for p in text.replace(",", " ").split()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pids: {text!r} is not a comma-separated pid list")
+
+
+def _api_host(value: str) -> str:
+    from node.api import bind_host
+
+    if problem := bind_host(value):
+        raise RecipeError([f"--api-host: {problem}"])
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -526,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     p_ren.add_argument("--as", dest="style", required=True, choices=("argv", "env", "compose-env"))
     p_ren.add_argument("--node-rank", type=int)
     p_ren.add_argument("--master-addr")
+    p_ren.add_argument("--api-host", help="API bind address instead of serving.host (API_HOST)")
     p_pins = sub.add_parser("pins", help="print the pins as variables")
     p_pins.add_argument("--as", dest="style", default="env", choices=("env", "make"))
     p_file = sub.add_parser("env-file", help="print a node .env file as export lines")
@@ -538,8 +565,13 @@ def main(argv: list[str] | None = None) -> int:
     p_cache.add_argument("--cache-dir", type=Path, required=True, help="HF_HOME (has hub/)")
     p_cache.add_argument("--image", default="dspark-vllm:local", help="named in the fixes")
     p_cache.add_argument("--container-uid", type=int, default=1000)
+    p_audit = sub.add_parser("audit", help="judge the listening sockets of a running node")
+    p_audit.add_argument("profile")
+    p_audit.add_argument("--ss", type=Path, required=True, help="saved `ss -ltnp` output")
+    p_audit.add_argument("--pids", type=_pid_set, help="the container's pids, comma-separated "
+                         "(default: processes named like vLLM or Python)")
     args = parser.parse_args(argv)
-    if args.cmd in ("env-file", "check-env", "check-cache"):
+    if args.cmd in ("env-file", "check-env", "check-cache", "audit"):
         return _node_command(args)
     try:
         if args.cmd == "validate":
@@ -551,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ok: {name}")
         elif args.cmd == "render":
             profile = load_profile(args.profile)
+            if args.api_host:
+                profile["serving"]["host"] = _api_host(args.api_host)
             if args.style == "argv":
                 print("\n".join(serve_argv(profile, args.node_rank, args.master_addr)))
             else:

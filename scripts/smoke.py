@@ -74,7 +74,8 @@ def check_health(base: str) -> str:
 def metrics(base: str) -> str:
     status, body = request(f"{base}/metrics")
     if status != 200:
-        raise SmokeError(f"{base}/metrics answered {status}")
+        raise SmokeError(f"{base}/metrics answered {status}"
+                         + (" (401: set VLLM_API_KEY for this client)" if status == 401 else ""))
     return body
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.spark_host import (
+    API_KEY,
     ENTRYPOINT,
     PREFLIGHT,
     REPO,
@@ -109,6 +110,7 @@ def example_values() -> dict[str, str]:
 
 def head_values(**over) -> dict[str, str]:
     v = example_values()
+    v["VLLM_API_KEY"] = API_KEY  # the example leaves it empty: the user must choose one
     v.update(over)
     return v
 
@@ -295,6 +297,12 @@ MALFORMED = [
     ({"HEAD_WAIT_TIMEOUT_S": "soon"}, "HEAD_WAIT_TIMEOUT_S='soon' is not a number of seconds"),
     ({"CONTAINER_UID": "vllm"}, "CONTAINER_UID='vllm' is not a numeric id"),
     ({"DSPARK_IMAGE": "dspark-vllm@sha256:0123"}, "must be a plain name:tag"),
+    ({"VLLM_API_KEY": ""}, "VLLM_API_KEY is empty: the head would serve the model to anyone"),
+    ({"VLLM_API_KEY": "", "ALLOW_UNAUTHENTICATED_API": "0"}, "VLLM_API_KEY is empty"),
+    ({"VLLM_API_KEY": "short"}, "VLLM_API_KEY (value hidden, 5 characters) is not one token"),
+    ({"VLLM_API_KEY": "two words of sixteen+ chars"}, "VLLM_API_KEY (value hidden, 27 characters)"),
+    ({"ALLOW_UNAUTHENTICATED_API": "yes"}, "ALLOW_UNAUTHENTICATED_API='yes' is not 0 or 1"),
+    ({"API_HOST": "localhost"}, "API_HOST='localhost' is not an IPv4 address"),
 ]
 
 
@@ -304,6 +312,19 @@ def test_check_env_rejects_malformed_values(tmp_path, over, message):
     assert rc == 1, out
     assert message in out
     assert "fix: " in out
+
+
+def test_check_env_api_key_rules_by_role(tmp_path):
+    """The worker serves no API, so it needs no key; an opted-out head passes with a warning;
+    a rejected key is never echoed."""
+    rc, out = check_env(tmp_path, worker_values(VLLM_API_KEY=""))
+    assert rc == 0, out
+    rc, out = check_env(tmp_path, head_values(VLLM_API_KEY="", ALLOW_UNAUTHENTICATED_API="1"))
+    assert rc == 0, out
+    assert "WARN  env      ALLOW_UNAUTHENTICATED_API=1: anyone who reaches" in out
+    rc, out = check_env(tmp_path, head_values(VLLM_API_KEY="s3cret s3cret s3cret"))
+    assert rc == 1 and "VLLM_API_KEY (value hidden, 20 characters)" in out
+    assert "s3cret" not in out
 
 
 def test_env_file_parsing_quotes_comments_and_shell_precedence(tmp_path):
@@ -485,7 +506,8 @@ def ep(tmp_path):
                          PROFILE=str(profile_path), DSPARK_HOME=str(REPO), HEAD_WAIT_POLL_S="0.2")
             e.update(NODE_RANK="0", MASTER_ADDR=HEAD_IP, VLLM_HOST_IP=HEAD_IP,
                      NCCL_SOCKET_IFNAME="enp1s0f0np0", NCCL_IB_HCA="=rocep1s0f0,roceP2p1s0f0",
-                     NCCL_IB_GID_INDEX="auto", NCCL_IB_MERGE_NICS="", NCCL_DEBUG="WARN")
+                     NCCL_IB_GID_INDEX="auto", NCCL_IB_MERGE_NICS="", NCCL_DEBUG="WARN",
+                     VLLM_API_KEY=API_KEY)
             e.update(env)
             e = {k: v for k, v in e.items() if v is not None}
             r = subprocess.run([str(ENTRYPOINT), *args], env=e, capture_output=True, text=True,
@@ -596,6 +618,58 @@ def test_entrypoint_refuses_bad_node_settings(ep, env, message):
     assert rc == 1, out
     assert message in out
     assert ep.argv() is None
+
+
+def test_entrypoint_head_refuses_to_start_without_an_api_key(ep):
+    ep.mark()
+    for env in ({"VLLM_API_KEY": None}, {"VLLM_API_KEY": ""},
+                {"VLLM_API_KEY": None, "ALLOW_UNAUTHENTICATED_API": "0"}):
+        rc, out = ep.run(**env)
+        assert rc == 1, out
+        assert "VLLM_API_KEY is empty: the head would serve the model to anyone" in out
+        assert "openssl rand -hex 32" in out and "ALLOW_UNAUTHENTICATED_API=1" in out
+        assert ep.argv() is None  # vllm never ran
+    rc, out = ep.run(VLLM_API_KEY=None, ALLOW_UNAUTHENTICATED_API="1")
+    assert rc == 0, out
+    assert "API key: none (ALLOW_UNAUTHENTICATED_API=1): the API is open" in out
+    assert "VLLM_API_KEY" not in ep.env()
+
+
+def test_entrypoint_worker_starts_without_an_api_key(ep):
+    ep.mark()
+    ep.host.add_port("rocep1s0f0", "enp1s0f0np0", "0000:01:00.0",
+                     standard_gids("192.168.100.11", "enp1s0f0np0"))
+    rc, out = ep.run(NODE_RANK="1", MASTER_ADDR=HEAD_IP, VLLM_HOST_IP="192.168.100.11",
+                     VLLM_API_KEY=None, HEAD_WAIT_TIMEOUT_S="0", NCCL_IB_HCA="=rocep1s0f0")
+    assert rc == 0 and "VLLM_API_KEY" not in out, out
+    assert "--headless" in ep.argv()
+
+
+def test_entrypoint_api_key_reaches_vllm_only_through_the_environment(ep):
+    """vLLM reads VLLM_API_KEY itself; the key is in no argument, log line or print-command."""
+    ep.mark()
+    rc, out = ep.run()
+    assert rc == 0, out
+    assert ep.env()["VLLM_API_KEY"] == API_KEY
+    assert not any(API_KEY in arg for arg in ep.argv())
+    assert API_KEY not in out
+    assert f"API key: set ({len(API_KEY)} characters)" in out
+    rc, out = ep.run("print-command")
+    assert rc == 0 and API_KEY not in out
+    ep.out.unlink()
+    rc, out = ep.run("serve", "--api-key", API_KEY)
+    assert rc == 1 and "set VLLM_API_KEY in docker/.env instead" in out
+    assert ep.argv() is None and API_KEY not in out
+
+
+def test_entrypoint_api_host_is_the_bind_address(ep):
+    ep.mark()
+    rc, out = ep.run("print-command")
+    assert rc == 0 and "--host 0.0.0.0 " in out  # the profile's default: every interface
+    rc, out = ep.run("print-command", API_HOST="10.20.0.5")
+    assert rc == 0 and "--host 10.20.0.5 " in out
+    rc, out = ep.run("print-command", API_HOST="lan")
+    assert rc == 1 and "API_HOST='lan' is not an IPv4 address" in out
 
 
 def test_entrypoint_socket_transport_skips_gid_resolution(ep):

@@ -23,7 +23,7 @@ import yaml
 from bench.dspark import dspark_delta, format_dspark
 from bench.prometheus import dspark_snapshot, parse_prometheus
 from conftest import REPO
-from support.cpu_server import child_pids, process_tree_rss
+from support.cpu_server import CPU_TINY_API_KEY, child_pids, process_tree_rss
 
 aiohttp = pytest.importorskip("aiohttp")
 
@@ -84,9 +84,13 @@ MALFORMED = {
 }
 
 
+# The shared server requires its API key (as a Spark head does): every request carries it.
+HEADERS = {"Authorization": f"Bearer {CPU_TINY_API_KEY}", "Content-Type": "application/json"}
+
+
 def http(base: str, path: str, body: dict | bytes | None = None) -> tuple[int, str]:
     data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    req = urllib.request.Request(base + path, data, HEADERS)
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
             return resp.status, resp.read().decode()
@@ -158,7 +162,7 @@ async def stream_one(session, base: str, req: dict) -> str:
 
 async def run_wave(base: str, reqs: list[dict]) -> list[str]:
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=HEADERS) as session:
         return await asyncio.gather(*(stream_one(session, base, r) for r in reqs))
 
 

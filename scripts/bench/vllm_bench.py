@@ -10,12 +10,14 @@ server should agree on TTFT; ITL differs by definition under speculative decodin
 per token (a chunk gap divided by the tokens in the chunk), vLLM's ITL is per chunk gap, and
 its TPOT ((e2e - TTFT) / (tokens - 1)) is the comparable per-token figure.
 Writes NAME-vllm-bench.{json,md} next to the result. Exit 2 when `vllm bench serve` fails.
+The API key is $VLLM_API_KEY, as for the sweep (handed to vLLM's client as OPENAI_API_KEY).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -67,10 +69,19 @@ def default_tokenizer(result: dict[str, Any]) -> str:
     return result["machine"]["server"]["model"]
 
 
+def client_env() -> dict[str, str]:
+    """vLLM's bench client sends OPENAI_API_KEY as the bearer token; ours is VLLM_API_KEY."""
+    env = dict(os.environ)
+    if os.environ.get("VLLM_API_KEY"):
+        env["OPENAI_API_KEY"] = os.environ["VLLM_API_KEY"]
+    return env
+
+
 def run_level(vllm: str, result: dict, run: dict, tokenizer: str, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         argv = vllm_bench_argv(vllm, result, run, tokenizer, Path(tmp))
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              env=client_env())
         out = Path(tmp) / "level.json"
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import api
 from .report import Report
 
 _LINE = re.compile(r"^\s*(export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
@@ -182,4 +183,5 @@ def check(env: Mapping[str, str], mode: str, nnodes: int, report: Report) -> boo
         if problem:
             report.fail("env", f"{var.name}='{value}' {problem[0]}", problem[1])
     _roles(env, report)
+    api.check(env, report)
     return report.fails == before

@@ -25,6 +25,8 @@ from conftest import REPO
 from support.net import free_port
 
 STARTUP_S = 600
+# The shared server requires this key, as a Spark head does (README "Security").
+CPU_TINY_API_KEY = "cpu-tiny-test-key-7d1e0b93"
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,23 @@ class CpuServer:
     base_url: str
     pid: int  # the API server (serve.py execs it)
     log: Path
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every client request carries."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @contextlib.contextmanager
-def start_cpu_tiny_server(log: Path, startup_s: float = STARTUP_S) -> Iterator[CpuServer]:
+def start_cpu_tiny_server(
+    log: Path, api_key: str | None = CPU_TINY_API_KEY, startup_s: float = STARTUP_S
+) -> Iterator[CpuServer]:
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # serve.py gives the server a fresh one
     cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--profile", "cpu-tiny"]
     with open(log, "w") as out:
@@ -57,7 +70,7 @@ def start_cpu_tiny_server(log: Path, startup_s: float = STARTUP_S) -> Iterator[C
             if time.monotonic() > deadline:
                 pytest.fail(f"server not healthy after {startup_s}s:\n{log.read_text()[-4000:]}")
             time.sleep(2)
-        yield CpuServer(base, proc.pid, log)
+        yield CpuServer(base, proc.pid, log, api_key)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
