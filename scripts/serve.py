@@ -20,14 +20,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def render_argv(profile: str) -> list[str]:
+def render(profile: str, style: str) -> list[str]:
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "recipe.py"), "render", profile, "--as", "argv"],
+        [sys.executable, str(REPO / "scripts" / "recipe.py"), "render", profile, "--as", style],
         check=True,
         capture_output=True,
         text=True,
     )
     return [line for line in out.stdout.splitlines() if line != ""]
+
+
+def render_argv(profile: str) -> list[str]:
+    return render(profile, "argv")
+
+
+def runner_env(profile: str) -> dict[str, str]:
+    """VLLM_USE_V2_MODEL_RUNNER from the profile's speculative.runner (which runner serves)."""
+    pairs = (line.split("=", 1) for line in render(profile, "compose-env"))
+    return {k: v for k, v in pairs if k == "VLLM_USE_V2_MODEL_RUNNER"}
 
 
 def is_cpu_profile(profile: str) -> bool:
@@ -63,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     server_argv = render_argv(args.profile)
     env = dict(os.environ)
+    runner = runner_env(args.profile)
+    env.update(runner)
     if is_cpu_profile(args.profile):
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if not args.dry_run:
             ensure_tiny_model(server_argv)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *server_argv, *args.extra]
-    print("serve: " + " ".join(cmd), flush=True)
+    print("serve: " + " ".join([*(f"{k}={v}" for k, v in runner.items()), *cmd]), flush=True)
     if args.dry_run:
         return 0
     os.execvpe(cmd[0], cmd, env)
