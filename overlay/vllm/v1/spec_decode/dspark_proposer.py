@@ -38,7 +38,11 @@ import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.models.deepseek_v4.common.dspark_draft import DraftContext, draft_hf_config
+from vllm.models.deepseek_v4.common.dspark_draft import (
+    DraftContext,
+    draft_hf_config,
+    load_dspark_draft,
+)
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
 from vllm.models.deepseek_v4.common.packed_prefill import (
     MAX_PACKED_TOKENS,
@@ -166,11 +170,12 @@ class DSparkProposer:
     # ------------------------------------------------------------------ model
 
     def load_model(self, target_model: nn.Module) -> None:
-        """Build the draft from the target checkpoint's ``mtp.*`` weights, share heads."""
-        from vllm.model_executor.model_loader import get_model
+        """Build the draft from the target checkpoint's ``mtp.*`` weights, share heads.
 
-        spec = self.vllm_config.speculative_config
-        self.model = get_model(vllm_config=self.vllm_config, model_config=spec.draft_model_config)
+        The overlay's draft class on every platform (``load_dspark_draft``): on CUDA the
+        registry would give upstream's V2-only NVIDIA class.
+        """
+        self.model = load_dspark_draft(self.vllm_config)
         inner = getattr(target_model, "model", target_model)
         embed = getattr(inner, "embed_tokens", None)
         if embed is None:
