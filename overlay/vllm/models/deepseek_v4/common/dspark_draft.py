@@ -55,6 +55,7 @@ __all__ = [
     "DraftContext",
     "draft_hf_config",
     "fp8_nope_roundtrip",
+    "load_dspark_draft",
 ]
 
 FP8_NOPE_BLOCK = 64
@@ -627,3 +628,32 @@ class DSparkDeepseekV4Draft(nn.Module):
             self.confidence_head = None
             loaded = {n for n in loaded if not n.startswith("confidence_head.")}
         return loaded
+
+
+def load_dspark_draft(vllm_config: VllmConfig) -> DSparkDeepseekV4Draft:
+    """Build and load this overlay's draft with vLLM's model loader, on every platform.
+
+    The registry entry ``DSparkDraftModel`` resolves per platform: on CUDA to upstream's
+    ``nvidia/dspark.py`` class, which has no private rings (``context_kv``, ``shape``,
+    ``share_target_heads``) and serves only vLLM's V2 runner. The overlay's V1 proposer
+    therefore names its class explicitly instead of asking the registry; the loader still
+    does the rest (device, dtype, weight iteration, ``process_weights_after_loading``).
+    """
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        raise ValueError("load_dspark_draft needs vllm_config.speculative_config.draft_model_config")
+    loader = get_model_loader(vllm_config.load_config)
+
+    def create_overlay_draft(vllm_config, model_config, prefix=""):
+        return initialize_model(
+            vllm_config=vllm_config,
+            model_config=model_config,
+            prefix=prefix,
+            model_class=DSparkDeepseekV4Draft,
+        )
+
+    loader.create_model = create_overlay_draft
+    return loader.load_model(vllm_config=vllm_config, model_config=spec.draft_model_config)
