@@ -40,10 +40,17 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4.common.dspark_draft import (
     DraftContext,
+    draft_block_positions,
     draft_hf_config,
+    draft_noise_token_id,
     load_dspark_draft,
 )
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
+from vllm.models.deepseek_v4.common.dspark_seeded_noise import (
+    DRAFT_NOISE_SALT,
+    RequestSeeds,
+    keyed_uniform,
+)
 from vllm.models.deepseek_v4.common.packed_prefill import (
     MAX_PACKED_TOKENS,
     ingest_packed_prefill,
@@ -143,7 +150,9 @@ class DSparkProposer:
                 f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                 f"[1, dspark_block_size={self.block_size}]: one backbone pass drafts one block"
             )
-        self.noise_token_id = int(hf.dspark_noise_token_id)
+        # Block length N = num_speculative_tokens (as upstream): k below the checkpoint's
+        # block size drafts a shorter, cheaper block. Noise token resolved as upstream.
+        self.noise_token_id = draft_noise_token_id(hf)
         self.window = int(hf.sliding_window)
         self.max_position = int(hf.max_position_embeddings)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -157,6 +166,7 @@ class DSparkProposer:
         seed = vllm_config.model_config.seed
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(0 if seed is None else int(seed))
+        self.request_seeds = RequestSeeds(0 if seed is None else int(seed))
         self.model: nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [S, W, K * D], all draft layers
         self.kv_pos: torch.Tensor | None = None  # [S, W] absolute position per cell
@@ -220,7 +230,7 @@ class DSparkProposer:
             return
         from vllm.forward_context import set_forward_context
 
-        n = self.block_size
+        n = self.num_speculative_tokens
         ids = torch.full((1, n), self.noise_token_id, dtype=torch.int64, device=self.device)
         pos = torch.arange(n, device=self.device)[None]
         mask = torch.zeros((1, self.window), dtype=torch.bool, device=self.device)
@@ -237,6 +247,7 @@ class DSparkProposer:
         """Free the ring rows of requests that finished, were aborted or preempted."""
         for req_id in req_ids:
             self.live_request_ids.discard(req_id)
+            self.request_seeds.release((req_id,))
             if self.slot_table.release(req_id, self.kv_pos) is not None:
                 self.counters.released_slots += 1
 
@@ -257,6 +268,7 @@ class DSparkProposer:
         finished_req_ids: Iterable[str] = (),
         input_ids: torch.Tensor | None = None,
         query_start_loc_cpu: torch.Tensor | None = None,
+        request_seeds: Sequence[int | None] | None = None,
     ) -> torch.Tensor:
         """Ingest this step's context, draft one block per request.
 
@@ -274,6 +286,8 @@ class DSparkProposer:
             finished_req_ids: requests to release before assigning rows.
             input_ids: ``[T]`` target input tokens (only for ``step_observer``).
             query_start_loc_cpu: host copy of ``query_start_loc`` (avoids a sync).
+            request_seeds: ``[R]`` each request's ``seed=`` (None: drawn once per request);
+                keys the probabilistic draft noise per request and position.
 
         Returns:
             ``[R, num_speculative_tokens]`` int32 draft tokens.
@@ -301,7 +315,9 @@ class DSparkProposer:
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
             kv_rows = self._ingest(qsl, query_start_loc_cpu, positions, aux, rej, slots)
             anchor_pos = positions[anchor_rows(qsl, rej)] + 1
-            drafts = self._draft(slots, anchors, anchor_pos, sampling_metadata)
+            seeds = self.request_seeds.lookup(req_ids, request_seeds or [None] * num_reqs)
+            seeds = seeds.to(self.device, non_blocking=True)
+            drafts = self._draft(slots, anchors, anchor_pos, sampling_metadata, seeds)
 
         if self.draft_override is not None:
             replaced = self.draft_override(
@@ -381,14 +397,12 @@ class DSparkProposer:
         group = tp.device_group if self.kv_cache.device.type != "cpu" else tp.cpu_group
         return get_tensor_model_parallel_rank(), group
 
-    def _draft(self, slots, anchors, anchor_pos, sampling_metadata) -> torch.Tensor:
-        model, n = self.model, self.block_size
+    def _draft(self, slots, anchors, anchor_pos, sampling_metadata, seeds) -> torch.Tensor:
+        model, n = self.model, self.num_speculative_tokens
         num_reqs = anchors.shape[0]
         ids = torch.full((num_reqs, n), self.noise_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = anchors
-        pos = (anchor_pos[:, None] + torch.arange(n, device=self.device)).clamp(
-            max=self.max_position - 1
-        )
+        pos = draft_block_positions(anchor_pos, n, self.max_model_len)
         mask = window_mask(self.kv_pos, slots, anchor_pos, self.window)
         head = model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
         base = model.compute_logits(head)
@@ -410,13 +424,15 @@ class DSparkProposer:
             model.markov_embed,
             model.markov_bias,
             temperature=temperature,
-            generator=self.generator,
+            # Slot k predicts position p+k+1; its draw is keyed by p+k (upstream's scheme).
+            uniform=lambda k: keyed_uniform(
+                seeds, anchor_pos + k + DRAFT_NOISE_SALT, base.shape[-1]
+            ),
             return_probs=self.probabilistic,
         )
         self.last_confidence = model.compute_confidence(head, out.embeds)
-        k = self.num_speculative_tokens
-        self._last_probs = out.probs[:, :k].contiguous() if out.probs is not None else None
-        return out.tokens[:, :k]
+        self._last_probs = out.probs
+        return out.tokens
 
     def _count(self, num_reqs, rej, prefilling, num_draft_tokens, qsl) -> None:
         c = self.counters
@@ -516,6 +532,9 @@ def propose_from_runner(
     # Requests that left without being reported here (e.g. a skipped step).
     finished |= {rid for rid in drafter.live_request_ids if rid not in runner.requests}
 
+    seeds = None
+    if drafter.probabilistic:
+        seeds = [runner.requests[rid].sampling_params.seed for rid in req_ids]
     cm = common_attn_metadata
     aux = torch.cat([h[:num_rows] for h in aux_hidden_states], dim=-1)
     return drafter.propose(
@@ -531,6 +550,7 @@ def propose_from_runner(
         num_draft_tokens=num_drafts,
         finished_req_ids=finished,
         input_ids=runner.input_ids.gpu[:num_rows] if drafter.step_observer else None,
+        request_seeds=seeds,
     )
 
 

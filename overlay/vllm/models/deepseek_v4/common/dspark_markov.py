@@ -60,6 +60,7 @@ def markov_block_sample(
     *,
     temperature: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    uniform: Callable[[int], torch.Tensor] | None = None,
     return_probs: bool = False,
 ) -> MarkovDraft:
     """Sample one block left to right with the Markov transition bias.
@@ -73,6 +74,9 @@ def markov_block_sample(
             ``temperature=None`` for all rows) are greedy.
         generator: RNG for the random rows. Sampling uses the exponential race
             ``argmax(q / E)``, ``E ~ Exp(1)``, which draws exactly from ``q``.
+        uniform: ``k -> [R, V]`` uniforms in (0, 1) for slot k, used instead of
+            ``generator`` (``E = -log u``): keyed per request and position
+            (``dspark_seeded_noise``), so a seeded request reproduces in any batch.
         return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
     """
     _check(base_logits, anchor, temperature)
@@ -106,7 +110,10 @@ def markov_block_sample(
                 q_k = torch.zeros_like(z_k).scatter_(1, x_k[:, None], 1.0)
         else:
             q_k = torch.softmax(z_k / safe_t[:, None], dim=-1)
-            race = torch.empty_like(q_k).exponential_(generator=generator)
+            if uniform is None:
+                race = torch.empty_like(q_k).exponential_(generator=generator)
+            else:
+                race = (-torch.log(uniform(k))).to(device=device, dtype=q_k.dtype)
             sampled = (q_k / race).argmax(dim=-1)
             x_k = torch.where(random_rows, sampled, greedy_tok)
             if probs is not None:
