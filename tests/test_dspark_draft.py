@@ -63,9 +63,12 @@ def test_packed_block_forward_equals_each_request_alone(draft_env):
                 pos[r : r + 1],
                 DraftContext(caches, slots[r : r + 1], mask[r : r + 1]),
             )
-            torch.testing.assert_close(alone[0], packed[r], rtol=0, atol=0)
+            # Different batch shapes may take different GEMM blockings (oneDNN/AMX), so
+            # bitwise equality is not promised: hidden and logits are bf16, allowed two bf16
+            # roundings (2 * 2**-8 relative; observed: one element off by one ulp).
+            torch.testing.assert_close(alone[0], packed[r], rtol=2**-7, atol=1e-3)
             torch.testing.assert_close(
-                draft.compute_logits(alone)[0], packed_logits[r], rtol=0, atol=0
+                draft.compute_logits(alone)[0], packed_logits[r], rtol=2**-7, atol=1e-3
             )
     assert packed.shape == (len(slots), n, s.hidden_size)
     assert torch.isfinite(packed.float()).all()
