@@ -64,12 +64,14 @@ def test_packed_block_forward_equals_each_request_alone(draft_env):
                 DraftContext(caches, slots[r : r + 1], mask[r : r + 1]),
             )
             # Different batch shapes may take different GEMM blockings (oneDNN/AMX), so
-            # bitwise equality is not promised: hidden and logits are bf16, allowed two bf16
-            # roundings (2 * 2**-8 relative; observed: one element off by one ulp).
-            torch.testing.assert_close(alone[0], packed[r], rtol=2**-7, atol=1e-3)
-            torch.testing.assert_close(
-                draft.compute_logits(alone)[0], packed_logits[r], rtol=2**-7, atol=1e-3
-            )
+            # bitwise equality is not promised. A one-ulp bf16 difference early on spreads
+            # through two layers of attention, MoE and hc mixing: observed 0.33% relative
+            # (L2) on one request, 0 on the others. 2% still catches a request reading
+            # another's context or block (tens of percent).
+            for got, want in ((alone[0], packed[r]),
+                              (draft.compute_logits(alone)[0], packed_logits[r])):
+                got, want = got.float(), want.float()
+                assert (got - want).norm() <= 0.02 * want.norm(), r
     assert packed.shape == (len(slots), n, s.hidden_size)
     assert torch.isfinite(packed.float()).all()
 
