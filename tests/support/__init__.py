@@ -1,0 +1,1 @@
+"""Shared test helpers (imported by tests, never by product code or scripts)."""
