@@ -9,12 +9,12 @@ process (the greedy oracle). Three waves of greedy requests:
 - ``warm``: two long shared prefixes (A, B), each with its own suffix, and a fresh prompt.
 - ``hits``: new suffixes on A and B (prefix-cache hits) mixed with fresh prompts, at once.
   Both waves use the draft's real drafts and are scored by teacher forcing.
-- ``holes``: after a cache hit the draft never saw the cached positions, so its window has
-  masked holes until W new positions arrive. This wave measures what that costs with oracle
-  drafts made window-sensitive: a request gets the target's greedy continuation only when
-  its window is complete, else the draft model's own (random-weight) drafts. That is the
-  worst case, a draft useless with any hole; suffixes of 8, 64 and 140 tokens after the
-  cached prefix against fresh prompts of the same total length.
+- ``holes``: the draft never sees cached positions, so after a hit its window would have
+  masked holes until W new positions arrive, unless enough is recomputed. This wave
+  measures the cost with oracle drafts made window-sensitive: a request gets the target's
+  greedy continuation only when its window is complete, else the draft model's own
+  (random-weight) drafts, the worst case of a draft useless with any hole. Suffixes of 8
+  and 140 tokens after the cached prefix, against fresh prompts of the same length.
 
 The report carries outputs, oracle verdicts, vLLM's per-request ``num_cached_tokens``, the
 proposer's counters and, per request, the first position the proposer saw and the draft
@@ -33,11 +33,14 @@ from dspark_e2e_runner import engine_kwargs, make_engine, params, score
 from oracle_drafts import OracleDrafts, external_id
 from plain_target import PlainTarget
 
-# Hits align to the largest KV group block span (256 tokens with C4A layers, block 64).
-PREFIX_A, PREFIX_B = 300, 280
+# Hits align to the largest KV group block span (256 tokens with C4A layers, block 64), and
+# DSpark, like EAGLE, drops the last matched block (vLLM recomputes it for the draft): a
+# shared prefix needs two aligned blocks (512 tokens) for a 256-token hit.
+PREFIX_A, PREFIX_B = 600, 560
+MAX_MODEL_LEN = 1024
 MAX_TOKENS = 10
 HOLES_MAX_TOKENS = 24
-HOLE_SUFFIXES = (8, 64, 140)
+HOLE_SUFFIXES = (8, 140)
 
 
 def prompts() -> dict[str, list[int]]:
@@ -147,7 +150,7 @@ def run(model: str, target: PlainTarget) -> dict:
 
     all_prompts = prompts()
     kwargs = engine_kwargs(model, None, speculative=True)
-    kwargs["enable_prefix_caching"] = True
+    kwargs.update(enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN)
     engine = make_engine(kwargs)
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     coordinator = engine.engine_core.engine_core.scheduler.kv_cache_manager.coordinator
@@ -213,7 +216,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    with PlainTarget(engine_kwargs(args.model, None, speculative=False)) as target:
+    plain = {**engine_kwargs(args.model, None, speculative=False), "max_model_len": MAX_MODEL_LEN}
+    with PlainTarget(plain) as target:
         result = run(args.model, target)
     Path(args.out).write_text(json.dumps(result))
     return 0
