@@ -100,10 +100,13 @@ for key, value in recipe.profile_env(profile).items():
     print(f"R {key}={shlex.quote(value)}")
 for key, value in profile.get("env", {}).items():
     print(f"E {key}={shlex.quote(str(value))}")
+for key, value in recipe.vllm_env(profile).items():
+    print(f"V {key}={shlex.quote(value)}")
 PY
     ) || die "profile '$PROFILE' does not render: ${out//$'\n'/; }" \
         "set PROFILE to a profile in recipe/profiles/ (e.g. spark-2x) and fix what recipe.py reports"
     PROFILE_ENV=()
+    VLLM_ENV=()
     while IFS= read -r line; do
         name=${line:2}
         name=${name%%=*}
@@ -111,6 +114,7 @@ PY
         case ${line:0:2} in
             "R ") eval "R_${line:2}" ;;
             "E ") PROFILE_ENV+=("${line:2}") ;;
+            "V ") VLLM_ENV+=("${line:2}") ;;
         esac
     done <<<"$out"
 }
@@ -125,6 +129,23 @@ export_profile_env() {
         fi
         eval "export $line"
         log "profile env $line"
+    done
+}
+
+# Variables vLLM reads that the profile decides (VLLM_USE_V2_MODEL_RUNNER from
+# speculative.runner: which runner serves DSpark). The profile is the one place to choose; a
+# node that sets a different value is refused rather than silently serving the other runner.
+export_vllm_env() {
+    local line name value
+    for line in "${VLLM_ENV[@]}"; do
+        name=${line%%=*}
+        eval "value=${line#*=}"
+        if [[ -n ${!name:-} && ${!name} != "$value" ]]; then
+            die "$name=${!name} on this node contradicts profile '$PROFILE' ($name=$value)" \
+                "remove $name from docker/.env; choose the runner with speculative.runner in the profile"
+        fi
+        export "$name=$value"
+        log "$name=$value (profile)"
     done
 }
 
@@ -224,6 +245,7 @@ prepare() {
         fi
     fi
     export_profile_env
+    export_vllm_env
     [[ -n ${API_HOST:-} ]] && node_args+=(--api-host "$API_HOST")
     argv_text=$("$PYTHON" "$RECIPE" render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
         || die "cannot render the serve command from profile '$PROFILE': ${argv_text//$'\n'/; }"

@@ -35,6 +35,22 @@ REPO = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO / "recipe" / "profiles"
 PINS_FILE = REPO / "recipe" / "pins.yaml"
 
+# What `serving.attention_backend` renders as `--attention-backend` (vLLM's
+# AttentionBackendEnum name for DeepSeek-V4 layers; the generic FLASHINFER_MLA_SPARSE name is
+# refused by vLLM's DeepSeek-V4 model). None: vLLM's CPU platform has one DeepSeek-V4 backend
+# and takes no flag.
+VLLM_ATTENTION_BACKENDS: dict[str, str | None] = {
+    "flashinfer_sparse_mla": "FLASHINFER_MLA_SPARSE_DSV4",
+    "cpu": None,
+}
+
+# Which model runner serves DSpark (`speculative.runner`), as VLLM_USE_V2_MODEL_RUNNER.
+# overlay: vLLM's V1 runner + this overlay's DSpark proposer (ragged store, packed prefill,
+# private per-request rings). upstream: vLLM's V2 runner and its own DSpark (paged draft KV,
+# CUDA graphs), CUDA only. Without the variable vLLM 0.32.0 on CUDA picks V2, so it is
+# always rendered.
+RUNNER_V2_FLAG = {"overlay": "0", "upstream": "1"}
+
 # Rows one sparse-MLA decode call may carry. FlashInfer's sparse-MLA decode path (the backend
 # vLLM picks for DeepSeek-V4 on sm_121) handles at most 64 query rows per call
 # (`_DECODE_MAX_TOKENS`); a DSpark verify step carries max_num_seqs * (k + 1) rows, and public
@@ -128,6 +144,7 @@ SCHEMA: dict[str, Any] = {
         "num_speculative_tokens": Field(int, lo=1, hi=16),
         "checkpoint_block_size": Field(int, lo=1, hi=16),
         "draft_sample_method": Field(str, choices=("greedy", "probabilistic")),
+        "runner": Field(str, choices=tuple(RUNNER_V2_FLAG)),
     },
     "env": {},  # free-form NAME: value map, checked in _check_env
     # `make demo` only: a smaller prefill chunk, so its engine steps mix prefill chunks and
@@ -209,13 +226,18 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
         problems.append("serving.attention_backend: 'cpu' is only valid with device 'cpu'")
     if srv["port"] == par["master_port"]:
         problems.append("serving.port: must differ from parallel.master_port")
+    if spec["runner"] == "upstream" and p["device"] != "cuda":
+        problems.append(
+            f"speculative.runner: 'upstream' (vLLM's V2 runner) needs device 'cuda', "
+            f"got device {p['device']!r}; use 'overlay'"
+        )
     if spec["method"] == "none":
         return
     k = spec["num_speculative_tokens"]
-    if k != spec["checkpoint_block_size"]:
+    if k > spec["checkpoint_block_size"]:
         problems.append(
-            f"speculative.num_speculative_tokens: DSpark drafts one block, so it must equal "
-            f"speculative.checkpoint_block_size={spec['checkpoint_block_size']} (got {k})"
+            f"speculative.num_speculative_tokens: one DSpark block drafts at most "
+            f"speculative.checkpoint_block_size={spec['checkpoint_block_size']} tokens (got {k})"
         )
     rows = srv["max_num_seqs"] * (k + 1)
     limit = DECODE_ROW_LIMITS[srv["attention_backend"]]
@@ -408,6 +430,9 @@ def serve_argv(
     )
     if srv["enforce_eager"]:
         argv.append("--enforce-eager")
+    backend = VLLM_ATTENTION_BACKENDS[srv["attention_backend"]]
+    if backend is not None:
+        argv += ["--attention-backend", backend]
     spec = speculative_config(profile)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
@@ -434,6 +459,11 @@ def serve_argv(
     return argv
 
 
+def vllm_env(profile: dict) -> dict[str, str]:
+    """Variables vLLM itself reads that the profile decides (exported by every launcher)."""
+    return {"VLLM_USE_V2_MODEL_RUNNER": RUNNER_V2_FLAG[profile["speculative"]["runner"]]}
+
+
 def profile_env(profile: dict) -> dict[str, str]:
     """Profile-derived variables for shells and compose (node-specific ones live in .env)."""
     m, par, srv, spec = (profile[k] for k in ("model", "parallel", "serving", "speculative"))
@@ -451,6 +481,8 @@ def profile_env(profile: dict) -> dict[str, str]:
         "MAX_NUM_BATCHED_TOKENS": str(srv["max_num_batched_tokens"]),
         "SPEC_METHOD": spec["method"],
         "NUM_SPECULATIVE_TOKENS": str(spec["num_speculative_tokens"]),
+        "SPEC_RUNNER": spec["runner"],
+        **vllm_env(profile),
     }
     env.update({k: str(v) for k, v in profile.get("env", {}).items()})
     return env

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"serve: {line}", file=sys.stderr)
         return 2
     env = dict(os.environ)
+    runner = recipe.vllm_env(profile)  # which model runner serves DSpark (speculative.runner)
+    env.update(runner)
     if profile["device"] == "cpu":
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_tiny_model(Path(recipe.model_ref(profile)))
     vllm = str(Path(sys.executable).with_name("vllm"))
     cmd = [vllm, "serve", *recipe.serve_argv(profile), *args.extra]
-    print("serve: " + " ".join(cmd), flush=True)
+    print("serve: " + " ".join([*(f"{k}={v}" for k, v in runner.items()), *cmd]), flush=True)
     if args.dry_run:
         return 0
     if not env.get(METRICS_ENV):

@@ -562,6 +562,20 @@ def test_entrypoint_head_execs_the_rendered_command(ep):
     assert "profile env NCCL_DEBUG: keeping this node's value" in out
     assert env["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"  # the profile's env section is exported
     assert "VLLM_PORT" not in env and "R_VLLM_PORT" not in env
+    # speculative.runner: overlay -> vLLM's V1 runner, exported for vLLM (CUDA defaults to V2).
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "[entrypoint] VLLM_USE_V2_MODEL_RUNNER=0 (profile)" in out
+
+
+def test_entrypoint_refuses_a_node_runner_that_contradicts_the_profile(ep):
+    ep.mark()
+    rc, out = ep.run(VLLM_USE_V2_MODEL_RUNNER="1")
+    assert rc == 1 and ep.argv() is None
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 on this node contradicts profile" in out
+    assert "speculative.runner" in out
+    rc, out = ep.run(VLLM_USE_V2_MODEL_RUNNER="")  # compose's empty default: the profile decides
+    assert rc == 0, out
+    assert ep.env()["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
 def test_entrypoint_appends_extra_args_and_prints_without_running(ep):

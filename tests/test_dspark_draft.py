@@ -298,3 +298,80 @@ def test_unknown_draft_weight_is_refused(draft_env):
         draft.load_weights([("mtp.0.attn.not_a_weight", torch.zeros(1))])
     # Target weights and stages past the draft's depth are not the draft's: skipped.
     assert draft.load_weights([("layers.0.attn.wkv.weight", torch.zeros(1))]) == set()
+
+
+OVERLAY_DSPARK_MODULES = (
+    "overlay/vllm/v1/spec_decode/dspark_proposer.py",
+    "overlay/vllm/v1/spec_decode/dspark_ragged.py",
+    "overlay/vllm/models/deepseek_v4/common/dspark_draft.py",
+    "overlay/vllm/models/deepseek_v4/common/dspark_markov.py",
+    "overlay/vllm/models/deepseek_v4/common/packed_prefill.py",
+)
+
+
+def test_overlay_dspark_path_never_imports_upstream_nvidia_draft():
+    from dspark_support import REPO
+
+    for rel in OVERLAY_DSPARK_MODULES:
+        text = (REPO / rel).read_text()
+        assert "nvidia.dspark" not in text and "nvidia import dspark" not in text, rel
+
+
+def test_proposer_builds_the_overlay_draft_when_the_platform_is_cuda(draft_env, monkeypatch):
+    """On CUDA the registry's DSparkDraftModel is upstream's V2-only NVIDIA class; the V1
+    proposer must build the overlay's class anyway. The platform reports CUDA while the loader
+    picks the class; the weights then load for real on this CPU."""
+    import sys
+    from types import SimpleNamespace
+
+    import vllm.model_executor.model_loader.utils as loader_utils
+    from dspark_support import make_proposer
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v4.common.dspark_draft import DSparkDeepseekV4Draft
+    from vllm.platforms import current_platform
+
+    draft, vc, _ = draft_env
+    proposer = make_proposer(draft, vc)
+    real_initialize = loader_utils.initialize_model
+    chosen = []
+
+    reports_cuda = [True]
+
+    def initialize_on_cuda(*args, model_class=None, **kwargs):
+        chosen.append((current_platform.is_cuda(), current_platform.is_cpu(), model_class))
+        reports_cuda[0] = False  # build and load on this machine's real platform
+        return real_initialize(*args, model_class=model_class, **kwargs)
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: reports_cuda[0])
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: not reports_cuda[0])
+    monkeypatch.setattr(loader_utils, "initialize_model", initialize_on_cuda)
+    monkeypatch.delitem(sys.modules, "vllm.models.deepseek_v4.nvidia.dspark", raising=False)
+    # vLLM's CPU runner turns the accelerator calls the loader makes into no-ops; so here.
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    # A second draft in the same config: its layer names must not clash with the first's.
+    monkeypatch.setattr(vc.compilation_config, "static_forward_context", {})
+    vc.speculative_config = SimpleNamespace(draft_model_config=vc.model_config)
+    target = SimpleNamespace(model=SimpleNamespace(embed_tokens=draft.embed_tokens),
+                             lm_head=draft.lm_head)
+    try:
+        with set_current_vllm_config(vc):  # as the runner's load_model does
+            proposer.load_model(target)
+    finally:
+        vc.speculative_config = None
+    assert chosen == [(True, False, DSparkDeepseekV4Draft)]
+    assert type(proposer.model) is DSparkDeepseekV4Draft and proposer.model is not draft
+    assert "vllm.models.deepseek_v4.nvidia.dspark" not in sys.modules
+    # It is a working draft: the checkpoint's weights (same inputs, same shapes, same kernels
+    # as the fixture's draft, so equal bitwise), the target's heads.
+    built, s = proposer.model, draft.shape
+    gen = torch.Generator().manual_seed(5)
+    aux = torch.randn(7, s.hidden_size * len(s.target_layer_ids), generator=gen)
+    positions = torch.arange(7) * 11
+    ids = torch.randint(0, s.vocab_size, (7,), generator=gen)
+    with torch.inference_mode(), set_forward_context(None, vc):
+        for model in (built, draft):
+            main_x = model.combine_hidden_states(aux.to(torch.bfloat16))
+            model.outputs = (main_x, model.context_kv(main_x, positions), model.markov_embed(ids))
+    for got, want in zip(built.outputs, draft.outputs, strict=True):
+        assert torch.equal(got, want)
+    assert built.lm_head is draft.lm_head

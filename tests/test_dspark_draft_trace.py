@@ -36,12 +36,12 @@ def test_draft_block_traces_fullgraph_for_two_sizes(proposer, sampled):
         temperature = noise = None
         if sampled:
             temperature = torch.linspace(0.0, 1.2, rows)
-            noise = p.draw_race_noise(rows)
+            noise = p.draw_race_noise(torch.arange(rows) + 11, anchor_pos)
         with torch.inference_mode(), set_forward_context(None, vc):
             want = p.draft_block(slots, anchors, anchor_pos, temperature, noise)
             want_probs = p.take_last_draft_probs()
             got = traced(slots, anchors, anchor_pos, temperature, noise)
             got_probs = p.take_last_draft_probs()
-        assert got.shape == (rows, p.block_size)
+        assert got.shape == (rows, p.num_speculative_tokens)
         assert torch.equal(got, want), f"traced block differs at {rows} rows"
         assert torch.equal(got_probs, want_probs)

@@ -63,11 +63,13 @@ BAD = [
     ("not a choice", "speculative.method", "eagle", "speculative.method: 'eagle' is not allowed"),
     ("missing", "model.revision", KeyError, "model.revision: missing"),
     (
-        "k != block",
+        "k > block",
         "speculative.num_speculative_tokens",
-        4,
-        "must equal speculative.checkpoint_block_size=5",
+        6,
+        "one DSpark block drafts at most speculative.checkpoint_block_size=5 tokens (got 6)",
     ),
+    ("unknown runner", "speculative.runner", "v2", "speculative.runner: 'v2' is not allowed"),
+    ("missing runner", "speculative.runner", KeyError, "speculative.runner: missing"),
     ("decode rows", "serving.max_num_seqs", 12, "72 verify rows exceeds the flashinfer_sparse_mla"),
     ("tp vs nodes", "parallel.nnodes", 3, "not a multiple of parallel.nnodes=3"),
     ("backend vs device", "serving.attention_backend", "cpu", "only valid with device 'cpu'"),
@@ -169,3 +171,63 @@ def test_demo_budget_must_hold_one_verify_step():
     profile["demo"]["max_num_batched_tokens"] = rows - 1
     with pytest.raises(recipe.RecipeError, match=rf"demo\.max_num_batched_tokens: {rows - 1} cannot hold"):
         recipe.validate(profile)
+
+
+def _render(profile: dict, style: str, tmp_path) -> list[str]:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    result = cli("render", str(path), "--as", style)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("runner,flag", [("overlay", "0"), ("upstream", "1")])
+def test_runner_choice_is_rendered_in_every_environment(runner, flag, tmp_path):
+    profile = _mutate("speculative.runner", runner)
+    assert f"VLLM_USE_V2_MODEL_RUNNER={flag}" in _render(profile, "env", tmp_path)
+    assert f"VLLM_USE_V2_MODEL_RUNNER={flag}" in _render(profile, "compose-env", tmp_path)
+
+
+def test_shipped_profiles_choose_the_overlay_runner():
+    # vLLM 0.32.0 on CUDA picks V2 (upstream DSpark) when the variable is unset, so the shipped
+    # spark profile must say 0 explicitly for the overlay to run at all; CPU has no V2.
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in cli("render", "spark-2x", "--as", "env").stdout
+    assert recipe.vllm_env(recipe.load_profile("cpu-tiny")) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def test_upstream_runner_needs_cuda():
+    profile = yaml.safe_load((REPO / "recipe/profiles/cpu-tiny.yaml").read_text())
+    profile["speculative"]["runner"] = "upstream"
+    with pytest.raises(recipe.RecipeError, match="speculative.runner: 'upstream'.*needs device"):
+        recipe.validate(profile)
+
+
+def test_attention_backend_is_rendered_as_vllms_dsv4_name():
+    argv = recipe.serve_argv(recipe.load_profile("spark-2x"))
+    # vLLM's DeepSeek-V4 model refuses the generic FLASHINFER_MLA_SPARSE names (nvidia/model.py
+    # _select_dsv4_attn_cls); the DSv4 member is what selects FlashInfer's SM120 sparse MLA.
+    assert argv[argv.index("--attention-backend") + 1] == "FLASHINFER_MLA_SPARSE_DSV4"
+    # The CPU platform has one DeepSeek-V4 backend and takes no flag.
+    assert "--attention-backend" not in recipe.serve_argv(recipe.load_profile("cpu-tiny"))
+
+
+def test_attention_backend_names_exist_in_vllm():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for name in filter(None, recipe.VLLM_ATTENTION_BACKENDS.values()):
+        assert AttentionBackendEnum[name].name == name
+
+
+def test_block_shorter_than_the_checkpoints_is_allowed():
+    recipe.validate(_mutate("speculative.num_speculative_tokens", 3))
+
+
+def test_make_serve_exports_the_runner():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "serve.py"), "--profile", "spark-2x", "--dry-run"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("serve: VLLM_USE_V2_MODEL_RUNNER=0 ")
+    assert "--attention-backend FLASHINFER_MLA_SPARSE_DSV4" in out

@@ -40,8 +40,15 @@ import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.models.deepseek_v4.common.dspark_draft import DraftContext, draft_hf_config
+from vllm.models.deepseek_v4.common.dspark_draft import (
+    DraftContext,
+    draft_block_positions,
+    draft_hf_config,
+    draft_noise_token_id,
+    load_dspark_draft,
+)
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
+from vllm.models.deepseek_v4.common.dspark_seeded_noise import RequestSeeds, keyed_race_noise
 from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark_ragged import (
     SlotTable,
@@ -102,7 +109,9 @@ class DSparkProposer:
                 f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                 f"[1, dspark_block_size={self.block_size}]: one backbone pass drafts one block"
             )
-        self.noise_token_id = int(hf.dspark_noise_token_id)
+        # Block length N = num_speculative_tokens (as upstream): k below the checkpoint's
+        # block size drafts a shorter, cheaper block. Noise token resolved as upstream.
+        self.noise_token_id = draft_noise_token_id(hf)
         self.window = int(hf.sliding_window)
         self.max_position = int(hf.max_position_embeddings)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -117,8 +126,7 @@ class DSparkProposer:
         # Rejected rows are known on the device only; summed there, read when asked.
         self._rejected_total = torch.zeros((), dtype=torch.int64, device=self.device)
         seed = vllm_config.model_config.seed
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(0 if seed is None else int(seed))
+        self.request_seeds = RequestSeeds(0 if seed is None else int(seed))
         self.model: nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [S+1, W, K * D], all draft layers
         self.kv_pos: torch.Tensor | None = None  # [S+1, W] absolute position per cell
@@ -150,11 +158,12 @@ class DSparkProposer:
     # ------------------------------------------------------------------ model
 
     def load_model(self, target_model: nn.Module) -> None:
-        """Build the draft from the target checkpoint's ``mtp.*`` weights, share heads."""
-        from vllm.model_executor.model_loader import get_model
+        """Build the draft from the target checkpoint's ``mtp.*`` weights, share heads.
 
-        spec = self.vllm_config.speculative_config
-        self.model = get_model(vllm_config=self.vllm_config, model_config=spec.draft_model_config)
+        The overlay's draft class on every platform (``load_dspark_draft``): on CUDA the
+        registry would give upstream's V2-only NVIDIA class.
+        """
+        self.model = load_dspark_draft(self.vllm_config)
         inner = getattr(target_model, "model", target_model)
         embed = getattr(inner, "embed_tokens", None)
         if embed is None:
@@ -209,6 +218,7 @@ class DSparkProposer:
         """Free the ring rows of requests that finished, were aborted or preempted."""
         req_ids = list(req_ids)
         self.live_request_ids.difference_update(req_ids)
+        self.request_seeds.release(req_ids)
         freed = self.slot_table.release(req_ids)
         clear_slots(self.kv_pos, freed)
         self._counters.released_slots += len(freed)
@@ -229,6 +239,7 @@ class DSparkProposer:
         temperature: torch.Tensor | None = None,
         temperature_cpu: torch.Tensor | np.ndarray | None = None,
         finished_req_ids: Iterable[str] = (),
+        request_seeds: Sequence[int | None] | None = None,
     ) -> torch.Tensor:
         """Ingest this step's context, draft one block per request.
 
@@ -236,7 +247,9 @@ class DSparkProposer:
         [R+1]`` packed rows of each request; ``num_draft_tokens [R]`` drafts the target
         verified per request (bounds the rejections); ``prefilling [R]`` requests still
         in chunked prefill (drafts discarded, nothing rejected); ``temperature_cpu [R]``
-        (counters); ``finished_req_ids`` released before rows are assigned.
+        (counters); ``finished_req_ids`` released before rows are assigned;
+        ``request_seeds [R]`` each request's ``seed=`` (None: one drawn per request), which
+        keys the probabilistic draft noise per request and position.
 
         Device data (never read back): ``positions [T]``, ``aux_hidden_states [T, m*H]``
         (concatenated target aux hidden states), ``num_rejected [R]`` rejected verify rows
@@ -266,7 +279,8 @@ class DSparkProposer:
             noise = None
             if temperature is not None and self.probabilistic:
                 temperature = torch.nn.functional.pad(temperature, (0, plan.draft_rows - num_reqs))
-                noise = self.draw_race_noise(plan.draft_rows)
+                seeds = self.request_seeds.lookup(req_ids, request_seeds or [None] * num_reqs)
+                noise = self.draw_race_noise(seeds, anchor_pos)
             else:
                 temperature = None
             tokens = self.draft_block(plan.draft_slots, anchors, anchor_pos, temperature, noise)
@@ -359,12 +373,10 @@ class DSparkProposer:
         row, anchor position 0) attends nothing. Keeps the draft distributions
         (probabilistic drafting) and the confidence of the block.
         """
-        model, n = self.model, self.block_size
+        model, n = self.model, self.num_speculative_tokens
         ids = torch.full_like(anchors[:, None].expand(-1, n), self.noise_token_id)
         ids[:, 0] = anchors
-        pos = (anchor_pos[:, None] + torch.arange(n, device=anchor_pos.device)).clamp_(
-            max=self.max_position - 1
-        )
+        pos = draft_block_positions(anchor_pos, n, self.max_model_len)
         mask = window_mask(self.kv_pos, slots, anchor_pos, self.window)
         head = model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
         out = markov_block_sample(
@@ -377,15 +389,22 @@ class DSparkProposer:
             return_probs=self.probabilistic,
         )
         self.last_confidence = model.compute_confidence(head, out.embeds)
-        k = self.num_speculative_tokens
-        self._last_probs = out.probs[:, :k].contiguous() if out.probs is not None else None
+        self._last_probs = out.probs
         return out.tokens
 
-    def draw_race_noise(self, rows: int) -> torch.Tensor:
-        """``Exp(1)`` draws ``[rows, N, V]`` for sampled drafting, from ``self.generator``."""
-        shape = (rows, self.block_size, self.model.shape.vocab_size)
-        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
-        return noise.exponential_(generator=self.generator)
+    def draw_race_noise(self, seeds: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+        """``Exp(1)`` race noise ``[B, N, V]`` for sampled drafting, keyed, never stateful.
+
+        ``seeds [R]`` (host) are the requests' seeds, ``anchor_pos [B]`` (device, B >= R
+        draft rows) their anchor positions. Slot k predicts position p+k+1 and its draw is
+        keyed by (seed, p+k) as upstream does, so a request with ``seed=`` drafts the same
+        tokens whatever batch, row or chunking it gets. Pad rows get seed 0.
+        """
+        seeds = torch.nn.functional.pad(seeds, (0, anchor_pos.shape[0] - seeds.shape[0]))
+        seeds = seeds.to(self.device, non_blocking=True)
+        return keyed_race_noise(
+            seeds, anchor_pos, self.num_speculative_tokens, self.model.shape.vocab_size
+        )
 
     def _count(self, plan: StepPlan, num_rejected: torch.Tensor) -> None:
         """Host numbers from the plan; the rejected total accumulates on the device."""

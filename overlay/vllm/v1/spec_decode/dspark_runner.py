@@ -103,4 +103,9 @@ def propose_from_runner(
         temperature=temperature,
         temperature_cpu=temperature_cpu,
         finished_req_ids=finished,
+        request_seeds=(
+            [runner.requests[rid].sampling_params.seed for rid in req_ids]
+            if drafter.probabilistic
+            else None
+        ),
     )

@@ -54,8 +54,12 @@ __all__ = [
     "DSparkDeepseekV4Draft",
     "DSparkDraftShape",
     "DraftContext",
+    "draft_block_positions",
     "draft_hf_config",
+    "draft_noise_token_id",
     "fp8_nope_roundtrip",
+    "load_dspark_draft",
+    "pad_to_tp_shards",
 ]
 
 
@@ -110,7 +114,7 @@ class DSparkDraftShape:
             target_layer_ids=ids,
             block_size=int(need("dspark_block_size")),
             markov_rank=int(need("dspark_markov_rank")),
-            noise_token_id=int(need("dspark_noise_token_id")),
+            noise_token_id=draft_noise_token_id(cfg),
             num_heads=int(need("num_attention_heads")),
             head_dim=int(need("head_dim")),
             rope_dim=int(need("qk_rope_head_dim")),
@@ -133,6 +137,68 @@ class DSparkDraftShape:
         if not 0 < shape.rope_dim < shape.head_dim:
             raise ValueError(f"qk_rope_head_dim must be in (0, head_dim={shape.head_dim})")
         return shape
+
+
+def draft_noise_token_id(cfg) -> int:
+    """The token that fills block slots 1..N-1, resolved in upstream's order.
+
+    As vLLM's V2 DSpark (``v1/worker/gpu/spec_decode/utils.py``): ``dflash_config.
+    mask_token_id``, then a top-level ``mask_token_id``, then ``dspark_noise_token_id``.
+    """
+    nested = getattr(cfg, "dflash_config", None) or {}
+    candidates = (
+        ("dflash_config.mask_token_id", nested.get("mask_token_id")),
+        ("mask_token_id", getattr(cfg, "mask_token_id", None)),
+        ("dspark_noise_token_id", getattr(cfg, "dspark_noise_token_id", None)),
+    )
+    for field, value in candidates:
+        if value is None:
+            continue
+        vocab = getattr(cfg, "vocab_size", None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (
+            vocab is not None and value >= vocab
+        ):
+            raise ValueError(f"{field} must be a token id in [0, vocab_size={vocab}), got {value!r}")
+        return value
+    raise ValueError(
+        "DeepSeek-V4 DSpark draft needs a noise token: the checkpoint config has none of "
+        "dflash_config.mask_token_id, mask_token_id, dspark_noise_token_id"
+    )
+
+
+def draft_block_positions(
+    anchor_positions: torch.Tensor, block_len: int, max_model_len: int
+) -> torch.Tensor:
+    """Positions ``[R, N]`` of each request's block ``p .. p+N-1``, clamped as upstream does.
+
+    Slots past the last position a request may reach (``max_model_len - 1``) would be
+    rejected anyway; clamping keeps their RoPE inside the range the model serves.
+    """
+    offsets = torch.arange(block_len, device=anchor_positions.device)
+    return (anchor_positions[:, None] + offsets).clamp(max=max_model_len - 1)
+
+
+def pad_to_tp_shards(tensor: torch.Tensor, dim: int, local_size: int, tp_size: int) -> torch.Tensor:
+    """Zero-pad ``tensor`` along ``dim`` to ``local_size * tp_size`` rows.
+
+    Block-FP8 shared experts split their intermediate axis in whole 128-blocks: when the
+    block count does not divide by TP, vLLM's DeepSeek-V4 MLP rounds each rank's share up
+    and the trailing rank holds zeros (upstream ``_pad_shared_expert_weight``). The
+    checkpoint tensor (weight, or its per-block scale) is padded to what the parameter
+    expects so the standard TP loaders slice it evenly.
+    """
+    full = local_size * tp_size
+    have = tensor.shape[dim]
+    if have > full:
+        raise ValueError(
+            f"checkpoint tensor has {have} rows on dim {dim}, more than the {tp_size} TP "
+            f"shards of {local_size} the parameter holds"
+        )
+    if have == full:
+        return tensor
+    pad_shape = list(tensor.shape)
+    pad_shape[dim] = full - have
+    return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=dim)
 
 
 def draft_hf_config(vllm_config: VllmConfig):
@@ -558,6 +624,23 @@ class DSparkDeepseekV4Draft(nn.Module):
             rest = rest.removesuffix(".scale") + suffix
         return f"layers.{stage}.{rest}"
 
+    def _pad_shared_expert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Pad a shared-expert tensor's intermediate axis to the parameter's TP shards."""
+        down = ".shared_experts.down_proj." in name
+        module_name = (
+            name.split(".shared_experts.")[0]
+            + (".shared_experts.down_proj" if down else ".shared_experts.gate_up_proj")
+        )
+        module = self.get_submodule(module_name)
+        param_name = name.rsplit(".", 1)[-1]
+        param = getattr(module, param_name, None)
+        if param is None or param.dim() < 2 or tensor.dim() < 2:
+            return tensor
+        tp_size = int(getattr(module, "tp_size", 1))
+        if down:  # [H, I]: intermediate on dim 1
+            return pad_to_tp_shards(tensor, 1, param.shape[1], tp_size)
+        return pad_to_tp_shards(tensor, 0, param.shape[0] // 2, tp_size)  # [2 * I, H] merged
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 
@@ -598,6 +681,8 @@ class DSparkDeepseekV4Draft(nn.Module):
                 else:
                     raise ValueError(f"no expert parameter for checkpoint weight {ckpt_name!r}")
                 continue
+            if ".shared_experts." in name:
+                tensor = self._pad_shared_expert(name, tensor)
             for needle, shard in shared_shards:
                 if needle in name:
                     target = name.replace(needle, ".shared_experts.gate_up_proj.")
@@ -622,3 +707,32 @@ class DSparkDeepseekV4Draft(nn.Module):
             self.confidence_head = None
             loaded = {n for n in loaded if not n.startswith("confidence_head.")}
         return loaded
+
+
+def load_dspark_draft(vllm_config: VllmConfig) -> DSparkDeepseekV4Draft:
+    """Build and load this overlay's draft with vLLM's model loader, on every platform.
+
+    The registry entry ``DSparkDraftModel`` resolves per platform: on CUDA to upstream's
+    ``nvidia/dspark.py`` class, which has no private rings (``context_kv``, ``shape``,
+    ``share_target_heads``) and serves only vLLM's V2 runner. The overlay's V1 proposer
+    therefore names its class explicitly instead of asking the registry; the loader still
+    does the rest (device, dtype, weight iteration, ``process_weights_after_loading``).
+    """
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        raise ValueError("load_dspark_draft needs vllm_config.speculative_config.draft_model_config")
+    loader = get_model_loader(vllm_config.load_config)
+
+    def create_overlay_draft(vllm_config, model_config, prefix=""):
+        return initialize_model(
+            vllm_config=vllm_config,
+            model_config=model_config,
+            prefix=prefix,
+            model_class=DSparkDeepseekV4Draft,
+        )
+
+    loader.create_model = create_overlay_draft
+    return loader.load_model(vllm_config=vllm_config, model_config=spec.draft_model_config)
