@@ -42,16 +42,18 @@ markov = load_overlay_module("vllm/models/deepseek_v4/common/dspark_markov.py")
 WINDOW, DIM, SLOTS, K = 16, 64, 64, 4
 
 
-def reference_store(cache, cache_pos, kv, positions, qsl, slots, rejected):
-    """The ring-store contract, one request and one row at a time (host tensors)."""
+def reference_store(cache, cache_pos, kv, positions, qsl, slots, rejected, window=WINDOW):
+    """The ring-store contract, one request and one row at a time (host tensors): each
+    request's accepted rows, only the last ``window`` positions, at cell ``pos % window``.
+    Also the oracle of the packed-prefill tests."""
     for r in range(len(qsl) - 1):
         end = qsl[r + 1] - rejected[r]
         if end <= qsl[r]:
             continue
         last = positions[end - 1]
         for row in range(qsl[r], end):
-            if positions[row] > last - WINDOW:
-                cell = positions[row] % WINDOW
+            if positions[row] > last - window:
+                cell = positions[row] % window
                 cache[slots[r], cell] = kv[row]
                 cache_pos[slots[r], cell] = positions[row]
 

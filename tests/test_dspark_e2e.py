@@ -72,11 +72,17 @@ def _assert_lossless(oracle: dict, what: str) -> None:
     )
 
 
+def _finished_lossless(dspark, name: str, prefix: str, count: int, tokens: int) -> dict:
+    """The phase's requests all finished with ``tokens`` tokens and passed the oracle."""
+    phase = dspark[name]
+    assert sorted(phase["outputs"]) == [f"{prefix}{i}" for i in range(count)]
+    assert all(len(toks) == tokens for toks in phase["outputs"].values())
+    _assert_lossless(phase["oracle"], name)
+    return phase
+
+
 def test_greedy_dspark_is_lossless_by_teacher_forcing(dspark):
-    phase = dspark["lossless"]
-    assert sorted(phase["outputs"]) == [f"L{i}" for i in range(len(runner.LOSSLESS))]
-    assert all(len(toks) == 12 for toks in phase["outputs"].values())
-    _assert_lossless(phase["oracle"], "lossless")
+    phase = _finished_lossless(dspark, "lossless", "L", len(runner.LOSSLESS), 12)
     c = phase["counters"]
     assert c["ragged_steps"] > 0, c  # prefills mixed with verify rows
     assert c["flat_steps"] > 0, c  # decode-only steps
@@ -87,10 +93,7 @@ def test_greedy_dspark_is_lossless_by_teacher_forcing(dspark):
 
 
 def test_scripted_drafts_cover_every_acceptance_count(dspark):
-    phase = dspark["scripted"]
-    assert sorted(phase["outputs"]) == [f"S{i}" for i in range(len(runner.SCRIPTED))]
-    assert all(len(toks) == 24 for toks in phase["outputs"].values())
-    _assert_lossless(phase["oracle"], "scripted")
+    phase = _finished_lossless(dspark, "scripted", "S", len(runner.SCRIPTED), 24)
     acc = phase["acceptance"]
     # Exact on any CPU: each segment accepted the leading drafts equal to what it committed.
     assert acc["checked"] > 20 and acc["wrong"] == [], acc

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_check import reference_store
 from support.net import free_port
 from support.overlay import load_overlay_module
 
@@ -47,20 +48,6 @@ def ref_owner(qsl: list[int], tp: int) -> list[list[int]]:
 def random_qsl(rng: random.Random, num_requests: int, num_tokens: int) -> list[int]:
     cuts = sorted(rng.sample(range(1, num_tokens), num_requests - 1))
     return [0, *cuts, num_tokens]
-
-
-def ref_store(cache, cache_pos, kv, positions, qsl, slots, rejected, window):
-    """The ring-store contract, one request and one row at a time."""
-    for r in range(len(qsl) - 1):
-        end = qsl[r + 1] - rejected[r]
-        if end <= qsl[r]:
-            continue
-        last = positions[end - 1]
-        for row in range(qsl[r], end):
-            pos = positions[row]
-            if pos > last - window:
-                cache[slots[r], pos % window] = kv[row]
-                cache_pos[slots[r], pos % window] = pos
 
 
 # ---------------------------------------------------------------------------
@@ -199,7 +186,7 @@ def reference_caches(sc: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for k, (cache, cache_pos) in enumerate(sc["caches"]):
         cache, cache_pos = cache.clone(), cache_pos.clone()
-        ref_store(
+        reference_store(
             cache,
             cache_pos,
             kv[:, k],
