@@ -73,10 +73,7 @@ def test_speculation_drafted_tokens(run):
 
 
 def test_seeded_sampled_requests_reproduce(run):
-    if run["method"] == "dspark-probabilistic":
-        pytest.skip(
-            "probabilistic DSpark drafts come from the proposer's own RNG, not the request's "
-            "seed, so a rerun sees other drafts (see README, Known limitations)"
-        )
+    """Also with probabilistic DSpark drafting: its draft noise is keyed by the request's seed
+    and position (dspark_seeded_noise), so a rerun sees the same drafts."""
     seeded = run["rounds"]["seeded"]
     assert seeded["rerun"] == seeded["outputs"]
