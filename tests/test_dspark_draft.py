@@ -14,12 +14,12 @@ from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     DraftContext,
     fp8_nope_roundtrip,
 )
+from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample  # noqa: E402
 from vllm.models.deepseek_v4.common.fp8_ds_mla import (  # noqa: E402
     QUANT_BLOCK,
     quantize_blocks,
     roundtrip_blocks,
 )
-from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample  # noqa: E402
 from vllm.v1.spec_decode.dspark_ragged import window_mask  # noqa: E402
 
 
