@@ -12,6 +12,7 @@ from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     DraftContext,
+    block_hidden_keys,
     fp8_nope_roundtrip,
 )
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample  # noqa: E402
@@ -174,9 +175,9 @@ def test_block_attention_matches_loop_reference(draft_env):
     ctx_mask = torch.rand(num_requests, s.window, generator=gen) < 0.5
     ctx_mask[0] = False
     ctx_mask[0, :10] = True  # request 0 has only 10 context positions
-    visible = torch.cat([ctx_mask, torch.ones(num_requests, s.block_size, dtype=torch.bool)], 1)
+    hidden_keys = block_hidden_keys(ctx_mask, s.block_size)
     with torch.inference_mode():
-        got = attn(x, draft.rope_at(positions), ctx, visible, num_requests)
+        got = attn(x, draft.rope_at(positions), ctx, hidden_keys, num_requests)
         want = _reference_attention(
             attn, draft.rotary_emb, x, positions, ctx, ctx_mask, num_requests
         )

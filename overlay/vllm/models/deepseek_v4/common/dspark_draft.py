@@ -55,6 +55,7 @@ __all__ = [
     "DSparkDraftShape",
     "DraftContext",
     "RopeTables",
+    "block_hidden_keys",
     "draft_block_positions",
     "draft_hf_config",
     "draft_noise_token_id",
@@ -229,7 +230,7 @@ class RopeTables:
     """GPT-J RoPE at T positions as pair tables over a whole head, built once per pass.
 
     ``cos`` and ``sin`` are fp32 ``[T, 1, D/2, 1|2]`` (one entry per dim pair, broadcast
-    over heads), ``sin`` signed ``(-s, s)`` so that a pair ``(x0, x1)`` becomes
+    over heads), ``sin`` signed ``(-s, s)`` (``sin_inverse``: ``(s, -s)``) so that a pair ``(x0, x1)`` becomes
     ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE pairs (the first ``D - rope_dim`` dims)
     have ``c = 1, s = 0`` and pass through unchanged, so one multiply-add covers the
     head without slicing. Every draft layer shares one rotary (same config), so a block
@@ -240,6 +241,7 @@ class RopeTables:
 
     cos: torch.Tensor
     sin: torch.Tensor
+    sin_inverse: torch.Tensor
 
     @classmethod
     def at(cls, rotary_emb: nn.Module, positions: torch.Tensor, head_dim: int) -> RopeTables:
@@ -248,13 +250,24 @@ class RopeTables:
         pass_pairs = (head_dim - rotary_emb.rotary_dim) // 2
         cos = torch.nn.functional.pad(cos, (pass_pairs, 0), value=1.0)
         sin = torch.nn.functional.pad(sin, (pass_pairs, 0), value=0.0)
-        return cls(cos=cos[:, None, :, None], sin=torch.stack((-sin, sin), dim=-1)[:, None])
+        signed = torch.stack((-sin, sin), dim=-1)[:, None]
+        return cls(cos=cos[:, None, :, None], sin=signed, sin_inverse=signed.flip(-1))
 
     def rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """``x [T, heads, D]`` rotated (``inverse``: de-rotated, i.e. ``-s``) in x's dtype."""
         pairs = x.unflatten(-1, (-1, 2))
-        swapped = pairs.flip(-1) * (-self.sin if inverse else self.sin)
+        swapped = pairs.flip(-1) * (self.sin_inverse if inverse else self.sin)
         return (pairs * self.cos + swapped).flatten(-2).to(x.dtype)
+
+
+def block_hidden_keys(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
+    """``[R, 1, 1, W+N]``: True for the keys block queries must not attend, built once.
+
+    Keys are the W ring cells (``window_mask [R, W]`` True where valid) then the N block
+    rows, which every block query attends (non-causal).
+    """
+    block = window_mask.new_zeros((window_mask.shape[0], block_len))
+    return torch.cat([~window_mask, block], dim=1)[:, None, None, :]
 
 
 def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -376,14 +389,15 @@ class DSparkDraftAttention(nn.Module):
         x: torch.Tensor,
         rope: RopeTables,
         ctx_kv: torch.Tensor,
-        visible: torch.Tensor,
+        hidden_keys: torch.Tensor,
         num_requests: int,
     ) -> torch.Tensor:
         """``x [R*N, H]`` block rows (request-major) -> attention output ``[R*N, H]``.
 
         ``rope`` holds the block rows' RoPE tables, ``ctx_kv [R, W, D]`` the gathered ring
-        rows, ``visible [R, W+N]`` the keys each request's queries attend (its valid
-        context cells, then all N block keys).
+        rows, ``hidden_keys [R, 1, 1, W+N]`` (``block_hidden_keys``) the keys a request's
+        queries must not attend: its context cells outside the valid window (the N block
+        keys are always attended).
         """
         s = self.shape
         rows = x.shape[0]
@@ -396,7 +410,7 @@ class DSparkDraftAttention(nn.Module):
         keys = torch.cat([ctx_kv, block_kv], dim=1).float()  # [R, W+N, D]
         qf = q.view(num_requests, n, s.num_heads, s.head_dim).float()
         scores = torch.einsum("rnhd,rkd->rnhk", qf, keys) * self.scale
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(hidden_keys, float("-inf"))
         sink = self.attn_sink.float().view(1, 1, s.num_heads, 1)
         sink = sink.expand(num_requests, n, s.num_heads, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
@@ -405,7 +419,7 @@ class DSparkDraftAttention(nn.Module):
 
         assert self._wo_a_grouped is not None, "wo_a weights were never processed"
         grouped = out.reshape(rows, s.o_groups, self.heads_per_group * s.head_dim)
-        z = torch.einsum("tgk,gok->tgo", grouped, self._wo_a_grouped.to(grouped.dtype))
+        z = torch.einsum("tgk,gok->tgo", grouped, self._wo_a_grouped)
         return self.wo_b(z.reshape(rows, s.o_groups * s.o_lora_rank))
 
 
@@ -461,12 +475,12 @@ class DSparkDraftLayer(nn.Module):
         rope: RopeTables,
         input_ids: torch.Tensor,
         ctx_kv: torch.Tensor,
-        visible: torch.Tensor,
+        hidden_keys: torch.Tensor,
         num_requests: int,
     ) -> torch.Tensor:
         """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
         h, post, comb = self._mix(x, "attn")
-        h = self.attn(self.attn_norm(h), rope, ctx_kv, visible, num_requests)
+        h = self.attn(self.attn_norm(h), rope, ctx_kv, hidden_keys, num_requests)
         x = self.mhc_post(h, x, post, comb)
         h, post, comb = self._mix(x, "ffn")
         h = self.ffn(self.ffn_norm(h), input_ids)
@@ -589,13 +603,13 @@ class DSparkDeepseekV4Draft(nn.Module):
             )
         flat_ids = input_ids.reshape(-1)
         rope = self.rope_at(positions.reshape(-1))
-        visible = torch.cat([context.mask, context.mask.new_ones((num_requests, n))], dim=1)
+        hidden_keys = block_hidden_keys(context.mask, n)
         x = self.embed_tokens(flat_ids)
         x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
         slots = context.slots.long()
         for layer, cache in zip(self.layers, context.caches, strict=True):
             ctx_kv = cache.index_select(0, slots)
-            x = layer(x, rope, flat_ids, ctx_kv, visible, num_requests)
+            x = layer(x, rope, flat_ids, ctx_kv, hidden_keys, num_requests)
         h = self.hc_head(
             x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps
         )
