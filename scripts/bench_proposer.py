@@ -105,11 +105,12 @@ class HostReadCounter(TorchFunctionMode):
 BLOCK = "dspark_draft_block"
 
 
-def top_level_aten_ops(prof) -> tuple[int, int]:
+def top_level_aten_ops(prof, by_name: collections.Counter | None = None) -> tuple[int, int]:
     """(all top-level aten ops, those inside the draft block) of one profiled call.
 
     The draft block has static shapes and no host reads: on a GPU it is one CUDA graph
-    replay, so only the ops outside it launch one by one.
+    replay, so only the ops outside it launch one by one. ``by_name`` (if given) is
+    updated with each top-level op's name, prefixed ``block:`` inside the draft block.
     """
     total = in_block = 0
     for event in prof.events():
@@ -122,6 +123,8 @@ def top_level_aten_ops(prof) -> tuple[int, int]:
         while parent is not None and parent.name != BLOCK:
             parent = parent.cpu_parent
         in_block += parent is not None
+        if by_name is not None:
+            by_name[("block:" if parent is not None else "") + event.name] += 1
     return total, in_block
 
 
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     propose = drafter.propose
     ops, outside_block, reads, propose_ms = [], [], [], []
-    kinds, sites = collections.Counter(), collections.Counter()
+    kinds, sites, op_names = collections.Counter(), collections.Counter(), collections.Counter()
 
     block = getattr(drafter, "draft_block", None)  # absent before the plan/run split
     if block is not None:
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with HostReadCounter() as counter:
                 out = propose(*a, **kw)
-        total, in_block = top_level_aten_ops(prof)
+        total, in_block = top_level_aten_ops(prof, op_names)
         ops.append(total)
         outside_block.append(total - in_block)
         reads.append(sum(counter.kinds.values()))
@@ -239,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         "aten_ops_per_step": summarize(ops),
         "aten_ops_outside_draft_block": summarize(outside_block),
         "host_reads_per_step": summarize(reads),
+        "aten_ops_by_name_per_step": {
+            name: round(count / len(ops), 2) for name, count in op_names.most_common()
+        },
         "host_reads_by_kind": dict(kinds),
         "host_reads_by_site": dict(sites.most_common()),
         "propose_ms": summarize(propose_ms),

@@ -12,9 +12,15 @@ from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     DraftContext,
+    block_hidden_keys,
     fp8_nope_roundtrip,
 )
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample  # noqa: E402
+from vllm.models.deepseek_v4.common.fp8_ds_mla import (  # noqa: E402
+    QUANT_BLOCK,
+    quantize_blocks,
+    roundtrip_blocks,
+)
 from vllm.v1.spec_decode.dspark_ragged import window_mask  # noqa: E402
 
 
@@ -116,15 +122,23 @@ def test_masked_cells_do_not_influence_the_block(draft_env):
     torch.testing.assert_close(clean, dirty, rtol=0, atol=0)
 
 
-def _reference_attention(attn, x, positions, ctx_kv, ctx_mask, num_requests):
-    """Loop-per-query reference: window cells + whole block, sink, grouped output."""
+def _reference_attention(attn, rotary, x, positions, ctx_kv, ctx_mask, num_requests):
+    """Loop-per-query reference: window cells + whole block, sink, grouped output.
+
+    RoPE is upstream's ``forward_native`` (``rotary``), not the draft's tables.
+    """
     s = attn.shape
     rows = x.shape[0]
     n = rows // num_requests
+
+    def rope(t, inverse=False):
+        return rotary.forward_native(positions, t, None, inverse=inverse)[0]
+
     q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(rows, s.num_heads, s.head_dim).float()
     q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + s.rms_eps)
-    q = attn.rope(q.to(x.dtype), positions).float()
-    kv = attn.context_kv(x, positions).float().view(num_requests, n, s.head_dim)
+    q = rope(q.to(x.dtype)).float()
+    kv = rope(attn.project_kv(x)[:, None])[:, 0]
+    kv = fp8_nope_roundtrip(kv, s.rope_dim).float().view(num_requests, n, s.head_dim)
     out = torch.zeros(rows, s.num_heads, s.head_dim)
     for r in range(num_requests):
         keys = [ctx_kv[r, w].float() for w in range(ctx_kv.shape[1]) if ctx_mask[r, w]]
@@ -136,7 +150,7 @@ def _reference_attention(attn, x, positions, ctx_kv, ctx_mask, num_requests):
                 logits = torch.cat([logits, attn.attn_sink[h].float().view(1)])
                 p = torch.softmax(logits, 0)[:-1]
                 out[r * n + i, h] = p @ keys
-    out = attn.rope(out.to(x.dtype), positions, inverse=True)
+    out = rope(out.to(x.dtype), inverse=True)
     hpg = s.num_heads // s.o_groups
     w = attn._wo_a_grouped.float()
     z = torch.stack(
@@ -161,9 +175,12 @@ def test_block_attention_matches_loop_reference(draft_env):
     ctx_mask = torch.rand(num_requests, s.window, generator=gen) < 0.5
     ctx_mask[0] = False
     ctx_mask[0, :10] = True  # request 0 has only 10 context positions
+    hidden_keys = block_hidden_keys(ctx_mask, s.block_size)
     with torch.inference_mode():
-        got = attn(x, positions, ctx, ctx_mask, num_requests)
-        want = _reference_attention(attn, x, positions, ctx, ctx_mask, num_requests)
+        got = attn(x, draft.rope_at(positions), ctx, hidden_keys, num_requests)
+        want = _reference_attention(
+            attn, draft.rotary_emb, x, positions, ctx, ctx_mask, num_requests
+        )
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -278,6 +295,37 @@ def test_model_markov_and_confidence_heads_use_checkpoint_weights(draft_env):
     w = tensors[f"{last}.confidence_head.proj.weight"].float()
     want = torch.sigmoid(torch.cat([h.float(), w1[prev]], -1) @ w.t()).squeeze(-1)
     torch.testing.assert_close(conf, want, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_tables_equal_upstream_rope_bitwise(draft_env):
+    """One table build per pass == upstream's per-call ``forward_native``, both ways.
+
+    Same fp32 products and sums in the same order, so equal bit for bit; the non-RoPE
+    dims pass through untouched.
+    """
+    draft, _, _ = draft_env
+    s = draft.shape
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.tensor([0, 1, 7, 130, 255, s.max_position - 2])
+    x = (torch.randn(len(positions), 3, s.head_dim, generator=gen) * 4).to(torch.bfloat16)
+    tables = draft.rope_at(positions)
+    for inverse in (False, True):
+        want, _ = draft.rotary_emb.forward_native(positions, x, None, inverse=inverse)
+        got = tables.rotate(x, inverse=inverse)
+        assert got.dtype == x.dtype
+        assert torch.equal(got, want), inverse
+    assert torch.equal(tables.rotate(x)[..., : s.head_dim - s.rope_dim], x[..., :-s.rope_dim])
+    # The check can fail: another position's tables rotate differently.
+    assert not torch.equal(draft.rope_at(positions + 1).rotate(x), tables.rotate(x))
+
+
+def test_roundtrip_blocks_equal_quantize_then_dequantize():
+    """The one-pass round trip == the cache's quantise + ``q * 2^exponent``, bitwise."""
+    gen = torch.Generator().manual_seed(12)
+    blocks = torch.randn(5, 7, QUANT_BLOCK, generator=gen) * torch.logspace(-6, 3, 7)[:, None]
+    blocks[0, 0] = 0.0  # scale floored at 1e-4
+    q, exponent = quantize_blocks(blocks)
+    assert torch.equal(roundtrip_blocks(blocks), q.float() * torch.exp2(exponent))
 
 
 def test_fp8_nope_roundtrip_keeps_rope_dims_and_is_idempotent():

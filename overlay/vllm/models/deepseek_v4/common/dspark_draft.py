@@ -44,7 +44,7 @@ from vllm.model_executor.models.qwen3_dspark import (
     DSparkMarkovHead,
 )
 from vllm.model_executor.models.utils import maybe_prefix
-from vllm.models.deepseek_v4.common.fp8_ds_mla import QUANT_BLOCK, quantize_blocks
+from vllm.models.deepseek_v4.common.fp8_ds_mla import QUANT_BLOCK, roundtrip_blocks
 from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
 from vllm.platforms import current_platform
 
@@ -54,6 +54,8 @@ __all__ = [
     "DSparkDeepseekV4Draft",
     "DSparkDraftShape",
     "DraftContext",
+    "RopeTables",
+    "block_hidden_keys",
     "draft_block_positions",
     "draft_hf_config",
     "draft_noise_token_id",
@@ -223,6 +225,51 @@ class DraftContext:
     mask: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RopeTables:
+    """GPT-J RoPE at T positions as pair tables over a whole head, built once per pass.
+
+    ``cos`` and ``sin`` are fp32 ``[T, 1, D/2, 1|2]`` (one entry per dim pair, broadcast
+    over heads), ``sin`` signed ``(-s, s)`` (``sin_inverse``: ``(s, -s)``) so that a pair ``(x0, x1)`` becomes
+    ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE pairs (the first ``D - rope_dim`` dims)
+    have ``c = 1, s = 0`` and pass through unchanged, so one multiply-add covers the
+    head without slicing. Every draft layer shares one rotary (same config), so a block
+    (or a context chunk) builds its tables once and q, kv and the output de-rotation of
+    all layers reuse them. Same arithmetic as upstream's ``forward_native`` (fp32, then
+    cast), equal bit for bit on finite inputs.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    sin_inverse: torch.Tensor
+
+    @classmethod
+    def at(cls, rotary_emb: nn.Module, positions: torch.Tensor, head_dim: int) -> RopeTables:
+        """Tables for ``positions [T]`` from the rotary's fp32 ``cos_sin_cache``."""
+        cos, sin = rotary_emb.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rope_dim/2]
+        pass_pairs = (head_dim - rotary_emb.rotary_dim) // 2
+        cos = torch.nn.functional.pad(cos, (pass_pairs, 0), value=1.0)
+        sin = torch.nn.functional.pad(sin, (pass_pairs, 0), value=0.0)
+        signed = torch.stack((-sin, sin), dim=-1)[:, None]
+        return cls(cos=cos[:, None, :, None], sin=signed, sin_inverse=signed.flip(-1))
+
+    def rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x [T, heads, D]`` rotated (``inverse``: de-rotated, i.e. ``-s``) in x's dtype."""
+        pairs = x.unflatten(-1, (-1, 2))
+        swapped = pairs.flip(-1) * (self.sin_inverse if inverse else self.sin)
+        return (pairs * self.cos + swapped).flatten(-2).to(x.dtype)
+
+
+def block_hidden_keys(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
+    """``[R, 1, 1, W+N]``: True for the keys block queries must not attend, built once.
+
+    Keys are the W ring cells (``window_mask [R, W]`` True where valid) then the N block
+    rows, which every block query attends (non-causal).
+    """
+    block = window_mask.new_zeros((window_mask.shape[0], block_len))
+    return torch.cat([~window_mask, block], dim=1)[:, None, None, :]
+
+
 def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """Quantise-dequantise the non-RoPE dims the way the fp8_ds_mla KV cache stores them.
 
@@ -234,10 +281,8 @@ def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     nope = kv.shape[-1] - rope_dim
     if nope <= 0 or nope % QUANT_BLOCK:
         return kv
-    head, tail = kv[..., :nope].float(), kv[..., nope:]
-    q, exponent = quantize_blocks(head.unflatten(-1, (nope // QUANT_BLOCK, QUANT_BLOCK)))
-    q = q.float() * torch.exp2(exponent)
-    return torch.cat([q.flatten(-2).to(kv.dtype), tail], dim=-1)
+    head = roundtrip_blocks(kv[..., :nope].float().unflatten(-1, (-1, QUANT_BLOCK)))
+    return torch.cat([head.flatten(-2).to(kv.dtype), kv[..., nope:]], dim=-1)
 
 
 def _rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -284,7 +329,7 @@ def _make_moe(vllm_config: VllmConfig, prefix: str) -> nn.Module:
 class DSparkDraftAttention(nn.Module):
     """DeepSeek-V4 latent attention of one draft layer over ring context + block."""
 
-    def __init__(self, shape: DSparkDraftShape, hf_config, quant_config, prefix: str) -> None:
+    def __init__(self, shape: DSparkDraftShape, quant_config, prefix: str) -> None:
         super().__init__()
         s = shape
         self.shape = s
@@ -311,14 +356,6 @@ class DSparkDraftAttention(nn.Module):
         self.attn_sink = nn.Parameter(
             torch.zeros(s.num_heads, dtype=torch.float32), requires_grad=False
         )
-        # Pure sliding-window layers use plain RoPE (no YaRN) on the last rope_dim dims.
-        self.rotary_emb = build_deepseek_v4_rope(
-            hf_config,
-            head_dim=s.head_dim,
-            rope_head_dim=s.rope_dim,
-            max_position_embeddings=s.max_position,
-            compress_ratio=1,
-        )
         # wo_a is applied per group ([G, o_lora, heads_per_group * head_dim]); the
         # dense copy is taken when weights are processed, before a platform GEMM
         # method may repack (and free) the linear's own weight.
@@ -343,64 +380,59 @@ class DSparkDraftAttention(nn.Module):
     def wq_b_dtype(self) -> torch.dtype:
         return self.q_norm.weight.dtype
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False):
-        """GPT-J RoPE on the last rope_dim dims of ``x [T, heads, D]`` at ``positions [T]``."""
-        out, _ = self.rotary_emb.forward_native(positions, x, None, inverse=inverse)
-        return out
-
-    def context_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Latent KV ``[T, D]`` of rows ``x [T, H]`` at absolute ``positions [T]``."""
-        kv = self.kv_norm(self.wkv(x))
-        kv = self.rope(kv.unsqueeze(1), positions).squeeze(1)
-        return fp8_nope_roundtrip(kv, self.shape.rope_dim)
+    def project_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """Latent KV of rows ``x [T, H]`` before RoPE and the FP8 round trip: ``[T, D]``."""
+        return self.kv_norm(self.wkv(x))
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RopeTables,
         ctx_kv: torch.Tensor,
-        ctx_mask: torch.Tensor,
+        hidden_keys: torch.Tensor,
         num_requests: int,
     ) -> torch.Tensor:
         """``x [R*N, H]`` block rows (request-major) -> attention output ``[R*N, H]``.
 
-        ``ctx_kv [R, W, D]`` are the gathered ring rows, ``ctx_mask [R, W]`` the valid
-        cells. Each block query attends the valid context and all N block keys.
+        ``rope`` holds the block rows' RoPE tables, ``ctx_kv [R, W, D]`` the gathered ring
+        rows, ``hidden_keys [R, 1, 1, W+N]`` (``block_hidden_keys``) the keys a request's
+        queries must not attend: its context cells outside the valid window (the N block
+        keys are always attended).
         """
         s = self.shape
         rows = x.shape[0]
         n = rows // num_requests
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(rows, s.num_heads, s.head_dim)
-        q = self.rope(_rms_unit(q, s.rms_eps), positions)
-        block_kv = self.context_kv(x, positions).view(num_requests, n, s.head_dim)
+        q = rope.rotate(_rms_unit(q, s.rms_eps))
+        block_kv = rope.rotate(self.project_kv(x)[:, None]).view(num_requests, n, s.head_dim)
+        block_kv = fp8_nope_roundtrip(block_kv, s.rope_dim)
 
-        keys = torch.cat([ctx_kv.to(block_kv.dtype), block_kv], dim=1).float()  # [R, W+N, D]
-        visible = torch.cat([ctx_mask, ctx_mask.new_ones((num_requests, n))], dim=1)  # [R, W+N]
+        keys = torch.cat([ctx_kv, block_kv], dim=1).float()  # [R, W+N, D]
         qf = q.view(num_requests, n, s.num_heads, s.head_dim).float()
         scores = torch.einsum("rnhd,rkd->rnhk", qf, keys) * self.scale
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(hidden_keys, float("-inf"))
         sink = self.attn_sink.float().view(1, 1, s.num_heads, 1)
         sink = sink.expand(num_requests, n, s.num_heads, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("rnhk,rkd->rnhd", probs, keys).to(x.dtype)
-        out = self.rope(out.reshape(rows, s.num_heads, s.head_dim), positions, inverse=True)
+        out = rope.rotate(out.reshape(rows, s.num_heads, s.head_dim), inverse=True)
 
         assert self._wo_a_grouped is not None, "wo_a weights were never processed"
         grouped = out.reshape(rows, s.o_groups, self.heads_per_group * s.head_dim)
-        z = torch.einsum("tgk,gok->tgo", grouped, self._wo_a_grouped.to(grouped.dtype))
+        z = torch.einsum("tgk,gok->tgo", grouped, self._wo_a_grouped)
         return self.wo_b(z.reshape(rows, s.o_groups * s.o_lora_rank))
 
 
 class DSparkDraftLayer(nn.Module):
     """One DeepSeek-V4 decoder layer of the draft: mHC(attention), mHC(MoE)."""
 
-    def __init__(self, vllm_config: VllmConfig, shape: DSparkDraftShape, hf_config, prefix: str):
+    def __init__(self, vllm_config: VllmConfig, shape: DSparkDraftShape, prefix: str):
         super().__init__()
         from vllm.model_executor.layers.mhc import MHCPostOp, MHCPreOp
 
         s = shape
         self.shape = s
-        self.attn = DSparkDraftAttention(s, hf_config, vllm_config.quant_config, f"{prefix}.attn")
+        self.attn = DSparkDraftAttention(s, vllm_config.quant_config, f"{prefix}.attn")
         self.ffn = _make_moe(vllm_config, f"{prefix}.ffn")
         self.attn_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
         self.ffn_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
@@ -440,15 +472,15 @@ class DSparkDraftLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RopeTables,
         input_ids: torch.Tensor,
         ctx_kv: torch.Tensor,
-        ctx_mask: torch.Tensor,
+        hidden_keys: torch.Tensor,
         num_requests: int,
     ) -> torch.Tensor:
         """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
         h, post, comb = self._mix(x, "attn")
-        h = self.attn(self.attn_norm(h), positions, ctx_kv, ctx_mask, num_requests)
+        h = self.attn(self.attn_norm(h), rope, ctx_kv, hidden_keys, num_requests)
         x = self.mhc_post(h, x, post, comb)
         h, post, comb = self._mix(x, "ffn")
         h = self.ffn(self.ffn_norm(h), input_ids)
@@ -488,9 +520,18 @@ class DSparkDeepseekV4Draft(nn.Module):
             prefix=f"{base}.main_proj",
         )
         self.main_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        # Pure sliding-window layers use plain RoPE (no YaRN) on the last rope_dim dims;
+        # every draft layer has the same one, so the draft holds it once (RopeTables).
+        self.rotary_emb = build_deepseek_v4_rope(
+            hf,
+            head_dim=s.head_dim,
+            rope_head_dim=s.rope_dim,
+            max_position_embeddings=s.max_position,
+            compress_ratio=1,
+        )
         # Layer ids continue after the target's so registered names never collide.
         self.layers = nn.ModuleList(
-            DSparkDraftLayer(vllm_config, s, hf, prefix=f"{base}.layers.{s.num_target_layers + j}")
+            DSparkDraftLayer(vllm_config, s, prefix=f"{base}.layers.{s.num_target_layers + j}")
             for j in range(s.num_draft_layers)
         )
         self.norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
@@ -532,9 +573,13 @@ class DSparkDeepseekV4Draft(nn.Module):
         """Context KV of every draft layer for rows ``main_x [T, H]``: ``[T, K, D]``."""
         if main_x.shape[0] == 0:
             return main_x.new_empty((0, len(self.layers), self.shape.head_dim))
-        return torch.stack(
-            [layer.attn.context_kv(main_x, positions) for layer in self.layers], dim=1
-        )
+        kv = torch.stack([layer.attn.project_kv(main_x) for layer in self.layers], dim=1)
+        kv = self.rope_at(positions).rotate(kv)
+        return fp8_nope_roundtrip(kv, self.shape.rope_dim)
+
+    def rope_at(self, positions: torch.Tensor) -> RopeTables:
+        """RoPE tables of every draft layer at ``positions [T]``."""
+        return RopeTables.at(self.rotary_emb, positions, self.shape.head_dim)
 
     def forward(
         self,
@@ -557,13 +602,14 @@ class DSparkDeepseekV4Draft(nn.Module):
                 f"got {tuple(context.mask.shape)}"
             )
         flat_ids = input_ids.reshape(-1)
-        flat_pos = positions.reshape(-1).long()
+        rope = self.rope_at(positions.reshape(-1))
+        hidden_keys = block_hidden_keys(context.mask, n)
         x = self.embed_tokens(flat_ids)
         x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
         slots = context.slots.long()
         for layer, cache in zip(self.layers, context.caches, strict=True):
             ctx_kv = cache.index_select(0, slots)
-            x = layer(x, flat_pos, flat_ids, ctx_kv, context.mask, num_requests)
+            x = layer(x, rope, flat_ids, ctx_kv, hidden_keys, num_requests)
         h = self.hc_head(
             x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps
         )

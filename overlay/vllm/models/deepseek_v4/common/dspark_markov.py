@@ -81,14 +81,10 @@ def markov_block_sample(
         return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
     """
     _check(base_logits, anchor, temperature)
-    num_requests, num_slots, vocab = base_logits.shape
+    num_slots = base_logits.shape[1]
     device = base_logits.device
-    tokens = torch.empty((num_requests, num_slots), dtype=torch.int64, device=device)
-    probs = (
-        torch.empty((num_requests, num_slots, vocab), dtype=torch.float32, device=device)
-        if return_probs
-        else None
-    )
+    # fp32 once for the whole block; the loop keeps only the work slot k depends on.
+    base = base_logits.float()
     if temperature is None:
         random_rows = None
     else:
@@ -98,16 +94,15 @@ def markov_block_sample(
         safe_t = torch.where(random_rows, temperature, torch.ones_like(temperature))
 
     prev = anchor.to(device=device, dtype=torch.int64)
-    embeds = []
+    embeds, tokens, probs = [], [], []
     for k in range(num_slots):
         e_k = embed(prev)
         embeds.append(e_k)
-        z_k = base_logits[:, k].float() + bias(e_k).float()
+        z_k = base[:, k] + bias(e_k).float()
         greedy_tok = z_k.argmax(dim=-1)
         if random_rows is None:
             x_k = greedy_tok
-            q_k = None
-            if probs is not None:
+            if return_probs:
                 q_k = torch.zeros_like(z_k).scatter_(1, x_k[:, None], 1.0)
         else:
             q_k = torch.softmax(z_k / safe_t[:, None], dim=-1)
@@ -117,11 +112,15 @@ def markov_block_sample(
                 race = race_noise[:, k]
             sampled = (q_k / race).argmax(dim=-1)
             x_k = torch.where(random_rows, sampled, greedy_tok)
-            if probs is not None:
+            if return_probs:
                 one_hot = torch.zeros_like(q_k).scatter_(1, x_k[:, None], 1.0)
                 q_k = torch.where(random_rows[:, None], q_k, one_hot)
-        tokens[:, k] = x_k
-        if probs is not None:
-            probs[:, k] = q_k
+        tokens.append(x_k)
+        if return_probs:
+            probs.append(q_k)
         prev = x_k
-    return MarkovDraft(tokens=tokens, embeds=torch.stack(embeds, dim=1), probs=probs)
+    return MarkovDraft(
+        tokens=torch.stack(tokens, dim=1),
+        embeds=torch.stack(embeds, dim=1),
+        probs=torch.stack(probs, dim=1) if return_probs else None,
+    )

@@ -22,9 +22,26 @@ FP8_MAX = 448.0
 SCALE_FLOOR = 1e-4
 
 
+def _scale_exponent(blocks: torch.Tensor) -> torch.Tensor:
+    """The rule: ``ceil(log2(max(amax / 448, 1e-4)))`` per block, ``[..., 1]``."""
+    scale = (blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_FLOOR)
+    return torch.ceil(torch.log2(scale))
+
+
+def _to_fp8(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``[..., QUANT_BLOCK]`` -> (FP8 e4m3 values, power-of-two exponent ``[..., 1]``)."""
-    scale = (blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=SCALE_FLOOR)
-    exponent = torch.ceil(torch.log2(scale))
-    q = (blocks / torch.exp2(exponent)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, exponent
+    exponent = _scale_exponent(blocks)
+    return _to_fp8(blocks, torch.exp2(exponent)), exponent
+
+
+def roundtrip_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[..., QUANT_BLOCK]`` -> what the cache gives back: ``dequant(quant(blocks))``.
+
+    Same values as ``quantize_blocks`` then ``q * 2^exponent``, with the scale computed once.
+    """
+    scale = torch.exp2(_scale_exponent(blocks))
+    return _to_fp8(blocks, scale).float() * scale
