@@ -1,0 +1,218 @@
+"""Mutation testing of the core modules with cosmic-ray: the score per module and the survivors.
+
+A mutant is a small realistic bug (a loosened bound, a negated check, an off-by-one) written
+into one module on disk; the module's fast unit tests run against it and should fail. The
+modules, their tests, the operators used and the equivalent mutants (each with its reason) are
+in pyproject.toml under [tool.mutation]. Tests that import the overlay through the installed
+`vllm` package see the mutants only when the overlay is applied with --link (checked here).
+Each module keeps its own cosmic-ray session under .cache/mutation/<module>/, resumed when
+interrupted and rebuilt when the module's source or the configuration changes.
+
+    .venv/bin/python scripts/mutation.py [--module NAME ...] [--report-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import toml
+from cosmic_ray.work_db import WorkDB, use_db
+from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKDIR = ROOT / ".cache" / "mutation"
+BIN = Path(sys.executable).parent
+NOT_SELECTED = "operator not selected in [tool.mutation].operators"
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: str
+    tests: list[str]
+
+
+@dataclass(frozen=True)
+class Config:
+    modules: dict[str, Module]
+    operators: re.Pattern
+    pytest_args: list[str]
+    timeout: float
+    equivalent: list[dict]
+
+
+def load_config(pyproject: Path = ROOT / "pyproject.toml") -> Config:
+    """[tool.mutation] from pyproject.toml, every field checked."""
+    section = tomllib.loads(pyproject.read_text())["tool"]["mutation"]
+    modules = {}
+    for name, spec in section["modules"].items():
+        if not (ROOT / spec["path"]).is_file():
+            raise ValueError(f"[tool.mutation.modules.{name}].path: no file {spec['path']}")
+        modules[name] = Module(name, spec["path"], list(spec["tests"]))
+    for i, eq in enumerate(section.get("equivalent", [])):
+        missing = {"module", "operator", "line", "reason"} - eq.keys()
+        if missing or eq["module"] not in modules or not eq["reason"].strip():
+            raise ValueError(
+                f"[[tool.mutation.equivalent]] #{i}: expected module (one of {sorted(modules)}),"
+                f" operator, line and a non-empty reason; got {eq}"
+            )
+    return Config(
+        modules=modules,
+        operators=re.compile("|".join(f"(?:{p})" for p in section["operators"])),
+        pytest_args=list(section["pytest_args"]),
+        timeout=float(section["timeout"]),
+        equivalent=list(section.get("equivalent", [])),
+    )
+
+
+def check_tests_see_mutants(module: Module) -> None:
+    """An overlay module must reach the installed vLLM as a link to this checkout's file."""
+    if not module.path.startswith("overlay/"):
+        return
+    installed = Path(sysconfig.get_paths()["purelib"]) / module.path.removeprefix("overlay/")
+    if installed.resolve() != (ROOT / module.path).resolve():
+        sys.exit(
+            f"{installed} is not a link to {module.path}: tests importing vllm would not see the"
+            " mutants. Apply the overlay with links first: make apply OVERLAY_MODE=--link"
+        )
+
+
+def session_files(module: Module, config: Config) -> tuple[Path, Path, str]:
+    """(cosmic-ray config, session db, fingerprint of the source + configuration)."""
+    source = (ROOT / module.path).read_bytes()
+    settings = json.dumps([module.tests, config.operators.pattern, config.pytest_args,
+                           config.equivalent], sort_keys=True).encode()
+    digest = hashlib.sha256(source + settings).hexdigest()
+    folder = WORKDIR / module.name
+    return folder / "cosmic-ray.toml", folder / "session.sqlite", digest
+
+
+def equivalent_reason(config: Config, module: Module, operator: str, line: str) -> str | None:
+    for eq in config.equivalent:
+        if eq["module"] == module.name and eq["operator"] == operator and eq["line"] == line:
+            return eq["reason"]
+    return None
+
+
+def mark_skipped(db: WorkDB, config: Config, module: Module, lines: list[str]) -> None:
+    """Skip mutants of unselected operators, and the listed equivalent ones with their reason."""
+    for item in db.pending_work_items:
+        (m,) = item.mutations
+        if not config.operators.fullmatch(m.operator_name):
+            reason = NOT_SELECTED
+        else:
+            reason = equivalent_reason(config, module, m.operator_name, lines[m.start_pos[0] - 1].strip())
+            if reason is None:
+                continue
+            reason = "equivalent: " + reason
+        db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+
+
+def prepare(module: Module, config: Config) -> Path:
+    """A cosmic-ray session for the module: reused if its fingerprint is unchanged."""
+    cr_config, session, digest = session_files(module, config)
+    stamp = session.with_suffix(".digest")
+    if session.exists() and stamp.exists() and stamp.read_text() == digest:
+        return session
+    cr_config.parent.mkdir(parents=True, exist_ok=True)
+    session.unlink(missing_ok=True)
+    test_command = shlex.join([sys.executable, "-m", "pytest", *config.pytest_args, *module.tests])
+    cr_config.write_text(toml.dumps({"cosmic-ray": {
+        "module-path": module.path, "timeout": config.timeout, "excluded-modules": [],
+        "test-command": test_command, "distributor": {"name": "local"},
+    }}))
+    subprocess.run([BIN / "cosmic-ray", "init", cr_config, session], cwd=ROOT, check=True)
+    lines = (ROOT / module.path).read_text().splitlines()
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        mark_skipped(db, config, module, lines)
+    stamp.write_text(digest)
+    return session
+
+
+def execute(module: Module, session: Path) -> None:
+    """Run the pending mutants; the module's source is put back whatever happens."""
+    source = ROOT / module.path
+    original = source.read_bytes()
+    try:
+        subprocess.run([BIN / "cosmic-ray", "exec", session.parent / "cosmic-ray.toml", session],
+                       cwd=ROOT, check=True)
+    finally:
+        if source.read_bytes() != original:
+            source.write_bytes(original)
+
+
+def report(module: Module, session: Path) -> tuple[int, int]:
+    """Print the module's score and survivors; return (killed, scored)."""
+    lines = (ROOT / module.path).read_text().splitlines()
+    killed = scored = pending = 0
+    equivalent = []
+    survivors = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        pending = len(db.pending_work_items)
+        for item, result in db.completed_work_items:
+            (m,) = item.mutations
+            where = f"{module.path}:{m.start_pos[0]} {m.operator_name} #{m.occurrence}"
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                if result.output != NOT_SELECTED:
+                    equivalent.append(f"{where}: {result.output}")
+                continue
+            scored += 1
+            if result.test_outcome == TestOutcome.SURVIVED:
+                survivors.append(f"{where}\n      {lines[m.start_pos[0] - 1].strip()}\n"
+                                 + "".join(f"      {d}\n" for d in (result.diff or "").splitlines()
+                                           if d[:1] in "+-" and d[:3] not in ("+++", "---")))
+            else:
+                killed += 1
+    score = 100.0 * killed / scored if scored else 0.0
+    print(f"{module.name}: {killed}/{scored} killed ({score:.1f}%), {len(equivalent)} equivalent"
+          f" skipped, {pending} not run")
+    for line in equivalent:
+        print(f"  equivalent {line}")
+    for line in survivors:
+        print(f"  SURVIVED {line}", end="")
+    return killed, scored
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--module", action="append", help="a module name from [tool.mutation.modules]")
+    parser.add_argument("--report-only", action="store_true", help="print the last results, run nothing")
+    parser.add_argument("--min-score", type=float, default=90.0, help="exit 1 below this %% (default 90)")
+    args = parser.parse_args(argv)
+    config = load_config()
+    names = args.module or list(config.modules)
+    unknown = sorted(set(names) - config.modules.keys())
+    if unknown:
+        parser.error(f"--module: unknown {unknown}; expected one of {sorted(config.modules)}")
+    below = []
+    for name in names:
+        module = config.modules[name]
+        if args.report_only:
+            session = session_files(module, config)[1]
+            if not session.exists():
+                print(f"{name}: no session yet")
+                continue
+        else:
+            check_tests_see_mutants(module)
+            session = prepare(module, config)
+            execute(module, session)
+        killed, scored = report(module, session)
+        if not scored or 100.0 * killed / scored < args.min_score:
+            below.append(name)
+    if below:
+        print(f"below {args.min_score}%: {', '.join(below)}")
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
