@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -143,10 +145,18 @@ def execute(module: Module, session: Path) -> None:
     """Run the pending mutants; the module's source is put back whatever happens."""
     source = ROOT / module.path
     original = source.read_bytes()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
+    proc = subprocess.Popen(
+        [BIN / "cosmic-ray", "exec", session.parent / "cosmic-ray.toml", session],
+        cwd=ROOT, start_new_session=True,
+    )
     try:
-        subprocess.run([BIN / "cosmic-ray", "exec", session.parent / "cosmic-ray.toml", session],
-                       cwd=ROOT, check=True)
+        if proc.wait() != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args)
     finally:
+        if proc.poll() is None:  # interrupted: stop cosmic-ray and the test run it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         if source.read_bytes() != original:
             source.write_bytes(original)
 

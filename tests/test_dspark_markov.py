@@ -90,3 +90,38 @@ def test_markov_greedy_without_temperature():
     assert got.probs is None
     with pytest.raises(ValueError, match="anchor must have shape"):
         markov_block_sample(base, torch.tensor([1]), lambda i: w1[i], lambda e: e @ w2.t())
+
+
+def test_greedy_probs_are_one_hot_of_the_reference_tokens():
+    """temperature=None with return_probs: q_k is the one-hot of x_k, x_k the reference argmax."""
+    gen = torch.Generator().manual_seed(7)
+    w1 = torch.randn(6, 2, generator=gen)
+    w2 = torch.randn(6, 2, generator=gen)
+    base = torch.randn(3, 4, 6, generator=gen)
+    anchor = torch.tensor([5, 0, 2])
+    got = markov_block_sample(
+        base, anchor, lambda i: w1[i], lambda e: e @ w2.t(), return_probs=True
+    )
+    tokens, probs = _markov_reference(base, anchor, w1, w2, torch.zeros(3), gen)
+    assert torch.equal(got.tokens, tokens)
+    assert got.probs.dtype == torch.float32
+    assert torch.equal(got.probs.double(), probs)  # exact: 0.0 and 1.0 only
+
+
+@pytest.mark.parametrize(
+    "base_shape, anchor, temperature, match",
+    [
+        ((2, 4), torch.tensor([0, 1]), None, r"base_logits must be a tensor of shape \[R, N, V\]"),
+        ((2, 3, 4, 1), torch.tensor([0, 1]), None, r"base_logits must be a tensor"),
+        ((2, 3, 4), torch.tensor([0.0, 1.0]), None, "anchor must be an integer tensor"),
+        ((2, 3, 4), torch.tensor([0, 1]), torch.ones(3), "temperature must be None or a tensor"),
+        ((2, 3, 4), torch.tensor([0, 1]), [1.0, 1.0], "temperature must be None or a tensor"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(base_shape, anchor, temperature, match):
+    w = torch.zeros(4, 1)
+    with pytest.raises(ValueError, match=match):
+        markov_block_sample(
+            torch.zeros(base_shape), anchor, lambda i: w[i], lambda e: e @ w.t(),
+            temperature=temperature,
+        )
