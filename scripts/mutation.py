@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import sysconfig
@@ -120,11 +121,26 @@ def mark_skipped(db: WorkDB, config: Config, module: Module, lines: list[str]) -
         db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
 
 
+def tests_digest(module: Module) -> str:
+    files = sorted(p for t in module.tests if (p := ROOT / t).is_file())
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+def retest_survivors(session: Path) -> None:
+    """The tests changed: run the survivors again (killed mutants stay killed)."""
+    with sqlite3.connect(session) as db:
+        db.execute("DELETE FROM work_results WHERE test_outcome = ?", (TestOutcome.SURVIVED.name,))
+
+
 def prepare(module: Module, config: Config) -> Path:
     """A cosmic-ray session for the module: reused if its fingerprint is unchanged."""
     cr_config, session, digest = session_files(module, config)
     stamp = session.with_suffix(".digest")
+    tests_stamp = session.with_suffix(".tests")
     if session.exists() and stamp.exists() and stamp.read_text() == digest:
+        if not tests_stamp.exists() or tests_stamp.read_text() != tests_digest(module):
+            retest_survivors(session)
+            tests_stamp.write_text(tests_digest(module))
         return session
     cr_config.parent.mkdir(parents=True, exist_ok=True)
     session.unlink(missing_ok=True)
@@ -138,6 +154,7 @@ def prepare(module: Module, config: Config) -> Path:
     with use_db(str(session), WorkDB.Mode.open) as db:
         mark_skipped(db, config, module, lines)
     stamp.write_text(digest)
+    tests_stamp.write_text(tests_digest(module))
     return session
 
 

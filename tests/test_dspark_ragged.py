@@ -544,3 +544,71 @@ def test_clear_slots():
     cache_pos = torch.arange(12).view(3, 4)
     dr.clear_slots(cache_pos, [0, 2])
     assert cache_pos.tolist() == [[-1] * 4, [4, 5, 6, 7], [-1] * 4]
+
+
+# ---------------------------------------------------------------------------
+# Which cells a store writes (mutation testing: a duplicate write is invisible on CPU)
+# ---------------------------------------------------------------------------
+
+
+class _RecordIndexPut(torch.overrides.TorchFunctionMode):
+    """Records the index tuples of every in-place ``index_put_`` (the store's scatters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.indices = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.index_put_:
+            self.indices.append(tuple(i.clone() for i in args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def reference_cells(positions, qsl, slots, window, num_rejected):
+    """(ring row, cell) per row the contract writes, in Python ints (one entry per row)."""
+    cells = []
+    for r in range(len(qsl) - 1):
+        start, end = int(qsl[r]), int(qsl[r + 1]) - int(num_rejected[r])
+        if end <= start:
+            continue
+        last = int(positions[end - 1])
+        cells += [
+            (int(slots[r]), int(positions[row]) % window)
+            for row in range(start, end)
+            if int(positions[row]) > last - window
+        ]
+    return cells
+
+
+@pytest.mark.parametrize(
+    "lengths, positions, rejected",
+    [
+        # The issue's case: positions 10, 11, 12, 14 with W=4; 10 is out (14 - 4), and a
+        # loosened bound (>=) would write 10 and 14 into the same cell. Ragged batch.
+        ([4, 2], [10, 11, 12, 14, 3, 4], [0, 0]),
+        # Same gap on a uniform batch (flat path), one request with a rejected suffix.
+        ([4, 4], [10, 11, 12, 14, 20, 22, 23, 24, 99], [0, 1]),
+        # Prefill chunk longer than W beside verify rows with rejections.
+        ([9, 3, 1], [*range(30, 39), 7, 9, 10, 5], [0, 2, 0]),
+    ],
+)
+def test_store_writes_each_reference_cell_exactly_once(lengths, positions, rejected):
+    """The live (ring row, cell) pairs written are unique and equal the contract's set.
+
+    On CPU the last duplicate write wins, so the final cache can look right while a GPU
+    (nondeterministic duplicate ``index_put_``) would keep either row.
+    """
+    window, num_slots = 4, 5
+    positions = torch.tensor(positions[: sum(lengths)])
+    qsl, slots = qsl_of(lengths), torch.tensor([3, 0, 4][: len(lengths)])
+    gen = torch.Generator().manual_seed(0)
+    cache, cache_pos = make_cache(num_slots, window, 2, torch.float32, gen)
+    kv = torch.randn(positions.numel(), 2, generator=gen)
+    with _RecordIndexPut() as seen:
+        store(cache, cache_pos, kv, positions, qsl, slots, rejected)
+    want = reference_cells(positions, qsl, slots, window, rejected)
+    assert len(want) == len(set(want))  # the contract itself never writes a cell twice
+    assert len(seen.indices) == 2  # one scatter for the values, one for the positions
+    for ring, cell in seen.indices:
+        live = [(int(a), int(b)) for a, b in zip(ring, cell, strict=True) if int(a) != num_slots]
+        assert sorted(live) == sorted(want)
