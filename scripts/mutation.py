@@ -63,12 +63,14 @@ def load_config(pyproject: Path = ROOT / "pyproject.toml") -> Config:
             raise ValueError(f"[tool.mutation.modules.{name}].path: no file {spec['path']}")
         modules[name] = Module(name, spec["path"], list(spec["tests"]))
     for i, eq in enumerate(section.get("equivalent", [])):
-        missing = {"module", "operator", "line", "reason"} - eq.keys()
-        if missing or eq["module"] not in modules or not eq["reason"].strip():
-            raise ValueError(
-                f"[[tool.mutation.equivalent]] #{i}: expected module (one of {sorted(modules)}),"
-                f" operator, line and a non-empty reason; got {eq}"
-            )
+        where = f"[[tool.mutation.equivalent]] #{i}"
+        missing = sorted({"module", "operator", "line", "reason"} - eq.keys())
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        if eq["module"] not in modules:
+            raise ValueError(f"{where}.module: {eq['module']!r} is not one of {sorted(modules)}")
+        if not eq["reason"].strip():
+            raise ValueError(f"{where}.reason: say why the mutant cannot change behaviour")
     return Config(
         modules=modules,
         operators=re.compile("|".join(f"(?:{p})" for p in section["operators"])),
