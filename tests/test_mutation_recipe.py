@@ -1,0 +1,88 @@
+"""scripts/recipe.py boundaries and device-specific flags, found by mutation testing.
+
+The ranges below are the contract written out (DESIGN section 6 caps a packed chunk at 8192
+tokens; ports are TCP ports, the rendezvous port unprivileged; a DSpark block is at most 16),
+not read from the schema: each bound is accepted exactly at its edge and refused one step past.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+import recipe
+
+BOUNDS = [  # (key, lowest allowed, below it, highest allowed, above it)
+    ("parallel.nnodes", 1, 0, 8, 9),
+    ("parallel.master_port", 1024, 1023, 65535, 65536),
+    ("serving.port", 1, 0, 65535, 65536),
+    ("serving.max_model_len", 16, 15, 1048576, 1048577),
+    ("serving.max_num_seqs", 1, 0, 1024, 1025),
+    ("serving.max_num_batched_tokens", 1, 0, 8192, 8193),
+    ("serving.gpu_memory_utilization", 0.05, 0.04, 1.0, 1.01),
+    ("speculative.num_speculative_tokens", 1, 0, 16, 17),
+    ("speculative.checkpoint_block_size", 1, 0, 16, 17),
+]
+
+
+def profile(name: str) -> dict:
+    return yaml.safe_load((REPO / "recipe/profiles" / f"{name}.yaml").read_text())
+
+
+def problems_with(key: str, value) -> str:
+    """Every problem validate() reports for spark-2x with ``key`` set to ``value``."""
+    p = profile("spark-2x")
+    section, leaf = key.split(".")
+    p[section][leaf] = value
+    try:
+        recipe.validate(p)
+    except recipe.RecipeError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("key, lo, below, hi, above", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_each_numeric_bound_is_inclusive_and_exact(key, lo, below, hi, above):
+    for value in (lo, hi):  # other checks (k == block, decode rows) may still complain
+        assert f"{key}: {value!r} is out of range" not in problems_with(key, value)
+    for value in (below, above):
+        assert f"{key}: {value!r} is out of range" in problems_with(key, value)
+
+
+def argv_pairs(p: dict) -> tuple[list[str], dict[str, str]]:
+    argv = recipe.serve_argv(p)
+    return argv, dict(zip(argv, argv[1:], strict=False))
+
+
+def test_cuda_flags_follow_the_profile_and_stay_off_cpu():
+    """GPU memory share and CUDA-graph capture size are CUDA flags; the capture size covers
+    max_num_seqs verify rows of k + 1 tokens, and enforce_eager turns it off."""
+    spark = profile("spark-2x")
+    argv, pairs = argv_pairs(spark)
+    srv, k = spark["serving"], spark["speculative"]["num_speculative_tokens"]
+    assert pairs["--gpu-memory-utilization"] == str(srv["gpu_memory_utilization"])
+    assert pairs["--max-cudagraph-capture-size"] == str(srv["max_num_seqs"] * (k + 1))
+    eager = copy.deepcopy(spark)
+    eager["serving"]["enforce_eager"] = True
+    argv, _ = argv_pairs(eager)
+    assert "--max-cudagraph-capture-size" not in argv and "--enforce-eager" in argv
+    argv, _ = argv_pairs(profile("cpu-tiny"))
+    assert "--gpu-memory-utilization" not in argv
+    assert "--max-cudagraph-capture-size" not in argv
+    assert json.loads(dict(zip(argv, argv[1:], strict=False))["--speculative-config"])
+
+
+def test_check_cache_requires_a_cache_dir():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/recipe.py"), "check-cache", "spark-2x"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "the following arguments are required: --cache-dir" in result.stderr
