@@ -5,8 +5,10 @@ into one module on disk; the module's fast unit tests run against it and should 
 modules, their tests, the operators used and the equivalent mutants (each with its reason) are
 in pyproject.toml under [tool.mutation]. Tests that import the overlay through the installed
 `vllm` package see the mutants only when the overlay is applied with --link (checked here).
+An equivalent mutant is named by its line and the line as mutated (`--report-only` prints both).
 Each module keeps its own cosmic-ray session under .cache/mutation/<module>/, resumed when
-interrupted and rebuilt when the module's source or the configuration changes.
+interrupted and rebuilt when the module's source, the operators or the equivalent list change;
+when only its tests change, the survivors run again (killed mutants stay killed).
 
     .venv/bin/python scripts/mutation.py [--module NAME ...] [--report-only]
 """
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import toml
+from cosmic_ray.mutating import mutate_code
+from cosmic_ray.plugins import get_operator
 from cosmic_ray.work_db import WorkDB, use_db
 from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
@@ -64,7 +68,7 @@ def load_config(pyproject: Path = ROOT / "pyproject.toml") -> Config:
         modules[name] = Module(name, spec["path"], list(spec["tests"]))
     for i, eq in enumerate(section.get("equivalent", [])):
         where = f"[[tool.mutation.equivalent]] #{i}"
-        missing = sorted({"module", "operator", "line", "reason"} - eq.keys())
+        missing = sorted({"module", "line", "mutant", "reason"} - eq.keys())
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
         if eq["module"] not in modules:
@@ -95,37 +99,44 @@ def check_tests_see_mutants(module: Module) -> None:
 def session_files(module: Module, config: Config) -> tuple[Path, Path, str]:
     """(cosmic-ray config, session db, fingerprint of the source + configuration)."""
     source = (ROOT / module.path).read_bytes()
-    settings = json.dumps([module.tests, config.operators.pattern, config.pytest_args,
-                           config.equivalent], sort_keys=True).encode()
+    settings = json.dumps([config.operators.pattern, config.pytest_args, config.equivalent],
+                          sort_keys=True).encode()
     digest = hashlib.sha256(source + settings).hexdigest()
     folder = WORKDIR / module.name
     return folder / "cosmic-ray.toml", folder / "session.sqlite", digest
 
 
-def equivalent_reason(config: Config, module: Module, operator: str, line: str) -> str | None:
-    for eq in config.equivalent:
-        if eq["module"] == module.name and eq["operator"] == operator and eq["line"] == line:
-            return eq["reason"]
-    return None
+def mutant_line(source: str, operator: str, occurrence: int, line: int) -> str:
+    """The text of ``line`` once the mutation is applied (how the equivalent list names it)."""
+    mutated = mutate_code(source, get_operator(operator)(), occurrence)
+    return mutated.splitlines()[line - 1].strip() if mutated else ""
 
 
-def mark_skipped(db: WorkDB, config: Config, module: Module, lines: list[str]) -> None:
+def mark_skipped(db: WorkDB, config: Config, module: Module) -> None:
     """Skip mutants of unselected operators, and the listed equivalent ones with their reason."""
+    source = (ROOT / module.path).read_text()
+    lines = source.splitlines()
+    listed = [eq for eq in config.equivalent if eq["module"] == module.name]
     for item in db.pending_work_items:
         (m,) = item.mutations
+        line = m.start_pos[0]
         if not config.operators.fullmatch(m.operator_name):
             reason = NOT_SELECTED
         else:
-            reason = equivalent_reason(config, module, m.operator_name, lines[m.start_pos[0] - 1].strip())
-            if reason is None:
+            same_line = [eq for eq in listed if eq["line"] == lines[line - 1].strip()]
+            mutant = mutant_line(source, m.operator_name, m.occurrence, line) if same_line else ""
+            reasons = [eq["reason"] for eq in same_line if eq["mutant"] == mutant]
+            if not reasons:
                 continue
-            reason = "equivalent: " + reason
+            reason = "equivalent: " + reasons[0]
         db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
 
 
 def tests_digest(module: Module) -> str:
+    """The module's test list and the text of its test files."""
     files = sorted(p for t in module.tests if (p := ROOT / t).is_file())
-    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+    listed = json.dumps(module.tests).encode()
+    return hashlib.sha256(listed + b"".join(p.read_bytes() for p in files)).hexdigest()
 
 
 def retest_survivors(session: Path) -> None:
@@ -152,9 +163,8 @@ def prepare(module: Module, config: Config) -> Path:
         "test-command": test_command, "distributor": {"name": "local"},
     }}))
     subprocess.run([BIN / "cosmic-ray", "init", cr_config, session], cwd=ROOT, check=True)
-    lines = (ROOT / module.path).read_text().splitlines()
     with use_db(str(session), WorkDB.Mode.open) as db:
-        mark_skipped(db, config, module, lines)
+        mark_skipped(db, config, module)
     stamp.write_text(digest)
     tests_stamp.write_text(tests_digest(module))
     return session

@@ -6,6 +6,8 @@ per-row Python loop written here from the issue's contract (not from the module)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -612,3 +614,26 @@ def test_store_writes_each_reference_cell_exactly_once(lengths, positions, rejec
     for ring, cell in seen.indices:
         live = [(int(a), int(b)) for a, b in zip(ring, cell, strict=True) if int(a) != num_slots]
         assert sorted(live) == sorted(want)
+
+
+def test_plan_is_frozen():
+    """The plan is built once on the host and replayed by the device work: no field changes."""
+    plan = _plan([0, 3, 5])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.window = 4
+
+
+def test_decreasing_query_start_loc_names_both_entries():
+    with pytest.raises(ValueError) as err:
+        _plan([0, 4, 9, 7])
+    assert str(err.value).endswith(
+        "request 2 has query_start_loc[2]=9, query_start_loc[3]=7"
+    )
+
+
+def test_single_row_slot_table_serves_one_request_at_a_time():
+    table = dr.SlotTable(1)
+    assert table.assign(["a"]) == [0]
+    with pytest.raises(dr.SlotTableFullError):
+        table.assign(["a", "b"])
+    assert table.release(["a"]) == [0] and table.assign(["b"]) == [0]

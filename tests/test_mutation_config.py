@@ -34,9 +34,9 @@ def test_every_core_module_is_mutated_against_existing_tests():
 @pytest.mark.parametrize(
     "entry, match",
     [
-        ('module = "nope"\noperator = "core/AddNot"\nline = "x"\nreason = "r"', "#0.module: 'nope' is not one of"),
-        ('module = "recipe"\noperator = "core/AddNot"\nline = "x"\nreason = " "', "#0.reason: say why"),
-        ('module = "recipe"\nline = "x"\nreason = "r"', "#0: missing operator"),
+        ('module = "nope"\nmutant = "y"\nline = "x"\nreason = "r"', "#0.module: 'nope' is not one of"),
+        ('module = "recipe"\nmutant = "y"\nline = "x"\nreason = " "', "#0.reason: say why"),
+        ('module = "recipe"\nline = "x"\nreason = "r"', "#0: missing mutant"),
     ],
 )
 def test_equivalent_entry_without_module_or_reason_is_refused(tmp_path, entry, match):
