@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import shlex
 import signal
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import toml
-from cosmic_ray.mutating import mutate_code
+from cosmic_ray.mutating import mutate_and_test, mutate_code
 from cosmic_ray.plugins import get_operator
 from cosmic_ray.work_db import WorkDB, use_db
 from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
@@ -145,6 +144,10 @@ def retest_survivors(session: Path) -> None:
         db.execute("DELETE FROM work_results WHERE test_outcome = ?", (TestOutcome.SURVIVED.name,))
 
 
+def pytest_command(module: Module, config: Config) -> str:
+    return shlex.join([sys.executable, "-m", "pytest", *config.pytest_args, *module.tests])
+
+
 def prepare(module: Module, config: Config) -> Path:
     """A cosmic-ray session for the module: reused if its fingerprint is unchanged."""
     cr_config, session, digest = session_files(module, config)
@@ -157,7 +160,7 @@ def prepare(module: Module, config: Config) -> Path:
         return session
     cr_config.parent.mkdir(parents=True, exist_ok=True)
     session.unlink(missing_ok=True)
-    test_command = shlex.join([sys.executable, "-m", "pytest", *config.pytest_args, *module.tests])
+    test_command = pytest_command(module, config)
     cr_config.write_text(toml.dumps({"cosmic-ray": {
         "module-path": module.path, "timeout": config.timeout, "excluded-modules": [],
         "test-command": test_command, "distributor": {"name": "local"},
@@ -170,22 +173,19 @@ def prepare(module: Module, config: Config) -> Path:
     return session
 
 
-def execute(module: Module, session: Path) -> None:
-    """Run the pending mutants; the module's source is put back whatever happens."""
+def execute(module: Module, session: Path, test_command: str, timeout: float,
+            limit: int | None) -> None:
+    """Run the pending mutants (the first ``limit`` in job-id order, a fixed random sample);
+    the module's source is put back whatever happens."""
     source = ROOT / module.path
     original = source.read_bytes()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
-    proc = subprocess.Popen(
-        [BIN / "cosmic-ray", "exec", session.parent / "cosmic-ray.toml", session],
-        cwd=ROOT, start_new_session=True,
-    )
     try:
-        if proc.wait() != 0:
-            raise subprocess.CalledProcessError(proc.returncode, proc.args)
+        with use_db(str(session), WorkDB.Mode.open) as db:
+            pending = sorted(db.pending_work_items, key=lambda item: item.job_id)
+            for item in pending[:limit]:
+                db.set_result(item.job_id, mutate_and_test(item.mutations, test_command, timeout))
     finally:
-        if proc.poll() is None:  # interrupted: stop cosmic-ray and the test run it started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
         if source.read_bytes() != original:
             source.write_bytes(original)
 
@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--module", action="append", help="a module name from [tool.mutation.modules]")
     parser.add_argument("--report-only", action="store_true", help="print the last results, run nothing")
+    parser.add_argument("--limit", type=int, help="run at most this many mutants per module now"
+                        " (a fixed random sample; the next run goes on with the rest)")
     parser.add_argument("--min-score", type=float, default=90.0, help="exit 1 below this %% (default 90)")
     args = parser.parse_args(argv)
     config = load_config()
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             check_tests_see_mutants(module)
             session = prepare(module, config)
-            execute(module, session)
+            execute(module, session, pytest_command(module, config), config.timeout, args.limit)
         killed, scored = report(module, session)
         if not scored or 100.0 * killed / scored < args.min_score:
             below.append(name)
