@@ -86,3 +86,43 @@ def test_check_cache_requires_a_cache_dir():
     )
     assert result.returncode == 2
     assert "the following arguments are required: --cache-dir" in result.stderr
+
+
+@pytest.mark.parametrize("tp, allowed", [(1, True), (2, True), (4, True), (8, True), (3, False)])
+def test_tensor_parallel_sizes_are_powers_of_two_up_to_eight(tp, allowed):
+    refused = f"parallel.tensor_parallel_size: {tp!r} is not allowed" in problems_with(
+        "parallel.tensor_parallel_size", tp
+    )
+    assert refused is not allowed
+
+
+def test_decode_row_error_gives_the_largest_allowed_max_num_seqs():
+    """FlashInfer's sparse MLA decodes at most 64 rows; k=5 verifies 6 rows per request."""
+    message = problems_with("serving.max_num_seqs", 12)
+    assert "serving.max_num_seqs: 12 x (k+1=6) = 72 verify rows" in message
+    assert message.endswith("use max_num_seqs <= 10")  # 10 x 6 = 60 <= 64 < 11 x 6
+
+
+def test_single_node_argv_has_no_multinode_flags_and_ranks_are_checked():
+    argv = recipe.serve_argv(profile("cpu-tiny"))
+    for flag in ("--nnodes", "--distributed-executor-backend", "--master-port", "--headless"):
+        assert flag not in argv
+    with pytest.raises(recipe.RecipeError, match=r"--node-rank: 2 not in \[0, 1\]"):
+        recipe.serve_argv(profile("spark-2x"), node_rank=2)
+
+
+def test_missing_top_level_key_is_reported_and_env_section_is_optional():
+    p = profile("spark-2x")
+    del p["device"]
+    p.pop("env", None)
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(p)
+    assert "device: missing" in str(err.value)
+    assert "env" not in str(err.value)
+
+
+def test_recipe_without_a_subcommand_is_a_usage_error():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts/recipe.py")], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "required: cmd" in result.stderr
