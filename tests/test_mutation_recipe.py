@@ -126,3 +126,30 @@ def test_recipe_without_a_subcommand_is_a_usage_error():
         [sys.executable, str(REPO / "scripts/recipe.py")], capture_output=True, text=True
     )
     assert result.returncode == 2 and "required: cmd" in result.stderr
+
+
+def test_wrong_type_for_an_unbounded_field_names_only_the_type():
+    p = profile("spark-2x")
+    p["model"]["id"] = 5
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(p)
+    assert "model.id: expected str, got int 5" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"lower": "x"}, "env.lower: variable names must match"),
+        ({"OK_NAME": True}, "env.OK_NAME: expected a string or number, got True"),
+        ({"OK_NAME": [1]}, "env.OK_NAME: expected a string or number, got [1]"),
+        (["A=1"], "env: expected a mapping of NAME: value"),
+    ],
+)
+def test_env_section_is_checked(env, message):
+    p = profile("spark-2x")
+    p["env"] = env
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(p)
+    assert message in str(err.value)
+    p["env"] = {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": 4, "RATIO": 0.5}
+    recipe.validate(p)
