@@ -16,6 +16,7 @@ when only its tests change, the survivors run again (killed mutants stay killed)
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import re
@@ -177,6 +178,11 @@ def execute(module: Module, session: Path, test_command: str, timeout: float,
             limit: int | None) -> None:
     """Run the pending mutants (the first ``limit`` in job-id order, a fixed random sample);
     the module's source is put back whatever happens."""
+    lock = session.with_suffix(".lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # two runs would mutate the same file at once
+        sys.exit(f"{module.name}: another mutation run holds {lock.name}")
     source = ROOT / module.path
     original = source.read_bytes()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
