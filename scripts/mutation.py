@@ -39,6 +39,7 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 ROOT = Path(__file__).resolve().parents[1]
 WORKDIR = ROOT / ".cache" / "mutation"
 BIN = Path(sys.executable).parent
+HELD_LOCKS: list = []
 NOT_SELECTED = "operator not selected in [tool.mutation].operators"
 
 
@@ -174,15 +175,21 @@ def prepare(module: Module, config: Config) -> Path:
     return session
 
 
+def hold_lock(module: Module) -> None:
+    """One run per module: a second would mutate the same file, or fingerprint a live mutant."""
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    lock = (WORKDIR / f"{module.name}.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"{module.name}: another mutation run holds {lock.name}")
+    HELD_LOCKS.append(lock)  # released when this process exits
+
+
 def execute(module: Module, session: Path, test_command: str, timeout: float,
             limit: int | None) -> None:
     """Run the pending mutants (the first ``limit`` in job-id order, a fixed random sample);
     the module's source is put back whatever happens."""
-    lock = session.with_suffix(".lock").open("w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # two runs would mutate the same file at once
-        sys.exit(f"{module.name}: another mutation run holds {lock.name}")
     source = ROOT / module.path
     original = source.read_bytes()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
@@ -251,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         else:
             check_tests_see_mutants(module)
+            hold_lock(module)
             session = prepare(module, config)
             execute(module, session, pytest_command(module, config), config.timeout, args.limit)
         killed, scored = report(module, session)
