@@ -667,7 +667,14 @@ def test_step_plan_default_takes_the_flat_path_on_uniform_batches():
     """store_plan_arrays without allow_flat (as the step plan calls it) keeps the fast path;
     a ragged plan has no flat segment length (the plan fields before shipping)."""
     qsl = torch.tensor([0, 4, 8, 12])
-    _, uniform = dr.store_plan_arrays(qsl, [0, 1, 2], None, 8, 4)
+    arrays, uniform = dr.store_plan_arrays(qsl, [0, 1, 2], None, 8, 4)
     assert uniform["uniform"] and uniform["seg_len"] == 4
+    # The flat path reads no candidate list, so none is shipped to the device.
+    assert arrays["cand_rows"].size == 0 and arrays["cand_req"].size == 0
     _, ragged = dr.store_plan_arrays(torch.tensor([0, 4, 9]), [0, 1], None, 8, 4)
     assert not ragged["uniform"] and ragged["seg_len"] == 0
+
+
+def test_query_start_loc_not_starting_at_zero_names_its_first_entry():
+    with pytest.raises(ValueError, match=r"^query_start_loc\[0\] must be 0, got 2$"):
+        _plan([2, 5, 9])
