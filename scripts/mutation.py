@@ -10,7 +10,7 @@ Each module keeps its own cosmic-ray session under .cache/mutation/<module>/, re
 interrupted and rebuilt when the module's source, the operators or the equivalent list change;
 when only its tests change, the survivors run again (killed mutants stay killed).
 
-    .venv/bin/python scripts/mutation.py [--module NAME ...] [--report-only]
+    .venv/bin/python scripts/mutation.py [--module NAME ...] [--limit N] [--report-only]
 """
 
 from __future__ import annotations
@@ -141,9 +141,19 @@ def tests_digest(module: Module) -> str:
 
 
 def retest_survivors(session: Path) -> None:
-    """The tests changed: run the survivors again (killed mutants stay killed)."""
+    """The tests changed: the survivors run again, first (killed mutants stay killed)."""
     with sqlite3.connect(session) as db:
-        db.execute("DELETE FROM work_results WHERE test_outcome = ?", (TestOutcome.SURVIVED.name,))
+        survivors = "SELECT job_id FROM work_results WHERE test_outcome = 'SURVIVED'"
+        db.execute(f"CREATE TABLE IF NOT EXISTS retest AS {survivors} LIMIT 0")
+        db.execute(f"INSERT INTO retest {survivors}")
+        db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+
+
+def run_order(session: Path) -> dict[str, int]:
+    """job id -> 0 for mutants to test again (they run first); others sort after, by job id."""
+    with sqlite3.connect(session) as db:
+        has_table = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'retest'").fetchone()
+        return dict.fromkeys((r for (r,) in db.execute("SELECT job_id FROM retest")), 0) if has_table else {}
 
 
 def pytest_command(module: Module, config: Config) -> str:
@@ -195,7 +205,9 @@ def execute(module: Module, session: Path, test_command: str, timeout: float,
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
     try:
         with use_db(str(session), WorkDB.Mode.open) as db:
-            pending = sorted(db.pending_work_items, key=lambda item: item.job_id)
+            first = run_order(session)
+            pending = sorted(db.pending_work_items,
+                             key=lambda item: (first.get(item.job_id, 1), item.job_id))
             for item in pending[:limit]:
                 db.set_result(item.job_id, mutate_and_test(item.mutations, test_command, timeout))
     finally:

@@ -678,3 +678,11 @@ def test_step_plan_default_takes_the_flat_path_on_uniform_batches():
 def test_query_start_loc_not_starting_at_zero_names_its_first_entry():
     with pytest.raises(ValueError, match=r"^query_start_loc\[0\] must be 0, got 2$"):
         _plan([2, 5, 9])
+
+
+def test_allocated_rings_have_a_scratch_row_and_start_empty():
+    """S live ring rows plus one scratch row that discarded rows are sent to; every cell empty."""
+    cache, cache_pos = dr.allocate_rings(3, 8, 5, torch.bfloat16, "cpu")
+    assert cache.shape == (4, 8, 5) and cache.dtype == torch.bfloat16 and not cache.any()
+    assert cache_pos.shape == (4, 8) and cache_pos.dtype == torch.int64
+    assert (cache_pos == -1).all()
