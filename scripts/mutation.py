@@ -219,8 +219,7 @@ def report(module: Module, session: Path) -> tuple[int, int]:
     """Print the module's score and survivors; return (killed, scored)."""
     lines = (ROOT / module.path).read_text().splitlines()
     killed = scored = pending = 0
-    equivalent = []
-    survivors = []
+    equivalent, survivors, failed = [], [], []
     with use_db(str(session), WorkDB.Mode.open) as db:
         pending = len(db.pending_work_items)
         for item, result in db.completed_work_items:
@@ -229,6 +228,9 @@ def report(module: Module, session: Path) -> tuple[int, int]:
             if result.worker_outcome == WorkerOutcome.SKIPPED:
                 if result.output != NOT_SELECTED:
                     equivalent.append(f"{where}: {result.output}")
+                continue
+            if result.worker_outcome != WorkerOutcome.NORMAL:  # the mutation itself failed
+                failed.append(f"{where}: {result.worker_outcome}")
                 continue
             scored += 1
             if result.test_outcome == TestOutcome.SURVIVED:
@@ -242,6 +244,8 @@ def report(module: Module, session: Path) -> tuple[int, int]:
           f" skipped, {pending} not run")
     for line in equivalent:
         print(f"  equivalent {line}")
+    for line in failed:
+        print(f"  not scored (no test run) {line}")
     for line in survivors:
         print(f"  SURVIVED {line}", end="")
     return killed, scored
