@@ -21,7 +21,7 @@ OVERLAY_FILES := $(shell find overlay -type f ! -name '*.pyc' 2>/dev/null)
 TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: help setup demo serve test test-fast bench lint apply revert check model \
+.PHONY: help setup demo serve test test-fast mutation bench lint apply revert check model \
         image up down logs smoke audit clean
 
 help: ## this list
@@ -71,6 +71,10 @@ test: setup $(TRITON_ORACLE)/.stamp ## set up, then run the whole test suite (CP
 
 test-fast: setup ## the suite without the real-vLLM end-to-end tests
 	$(PY) -m pytest -m "not e2e"
+
+mutation: $(STAMP_DEPS) ## mutation testing of the core modules (slow, not in `make test`): score per module, survivors; MODULES="a b" for some
+	scripts/apply_overlay.sh --python $(PY) --link && touch $(STAMP_OVERLAY)
+	$(PY) scripts/mutation.py $(foreach m,$(MODULES),--module $(m))
 
 bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep and `vllm bench serve` on the same load
 	$(PY) scripts/bench_ragged.py

@@ -10,6 +10,16 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
+
+# `make mutation` runs with --hypothesis-profile=mutation: the same examples every run (a stable
+# score), and a failing mutant is reported at once instead of being shrunk for minutes.
+settings.register_profile(
+    "mutation",
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"

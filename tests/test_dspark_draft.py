@@ -15,7 +15,6 @@ from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     block_hidden_keys,
     fp8_nope_roundtrip,
 )
-from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample  # noqa: E402
 from vllm.models.deepseek_v4.common.fp8_ds_mla import (  # noqa: E402
     QUANT_BLOCK,
     quantize_blocks,
@@ -200,83 +199,6 @@ def test_block_is_non_causal(draft_env):
         a = draft(ids, pos, DraftContext(caches, slots, mask))
         b = draft(other, pos, DraftContext(caches, slots, mask))
     assert not torch.equal(a[0, 0], b[0, 0])
-
-
-def _markov_reference(base, anchor, w1, w2, temperature, gen):
-    """Hand-written loop over requests and slots, float64."""
-    num_requests, n, vocab = base.shape
-    tokens = torch.zeros(num_requests, n, dtype=torch.int64)
-    probs = torch.zeros(num_requests, n, vocab, dtype=torch.float64)
-    race = [torch.empty(num_requests, vocab).exponential_(generator=gen) for _ in range(n)]
-    for r in range(num_requests):
-        prev = int(anchor[r])
-        for k in range(n):
-            z = [
-                float(base[r, k, v])
-                + sum(float(w2[v, j]) * float(w1[prev, j]) for j in range(w1.shape[1]))
-                for v in range(vocab)
-            ]
-            z = torch.tensor(z, dtype=torch.float64)
-            t = float(temperature[r])
-            if t > 0:
-                q = torch.softmax(z / t, 0)
-                x = int(torch.argmax(q.float() / race[k][r]))
-            else:
-                x = int(torch.argmax(z))
-                q = torch.zeros(vocab, dtype=torch.float64)
-                q[x] = 1.0
-            tokens[r, k] = x
-            probs[r, k] = q
-            prev = x
-    return tokens, probs
-
-
-def test_markov_loop_matches_hand_written_reference():
-    gen = torch.Generator().manual_seed(5)
-    vocab, rank, num_requests, n = 7, 3, 4, 5
-    w1 = torch.randn(vocab, rank, generator=gen)
-    w2 = torch.randn(vocab, rank, generator=gen) * 2
-    base = torch.randn(num_requests, n, vocab, generator=gen)
-    anchor = torch.tensor([0, 6, 3, 3])
-    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0])
-    seen_prev = []
-
-    def embed(ids):
-        seen_prev.append(ids.clone())
-        return w1[ids]
-
-    got = markov_block_sample(
-        base,
-        anchor,
-        embed,
-        lambda e: e @ w2.t(),
-        temperature=temperature,
-        generator=torch.Generator().manual_seed(9),
-        return_probs=True,
-    )
-    want_tokens, want_probs = _markov_reference(
-        base, anchor, w1, w2, temperature, torch.Generator().manual_seed(9)
-    )
-    assert torch.equal(got.tokens, want_tokens)
-    torch.testing.assert_close(got.probs.double(), want_probs, rtol=1e-5, atol=1e-6)
-    # prev starts at the anchor, then follows the drafted tokens.
-    assert torch.equal(seen_prev[0], anchor)
-    for k in range(1, n):
-        assert torch.equal(seen_prev[k], got.tokens[:, k - 1])
-    torch.testing.assert_close(got.embeds, w1[torch.stack(seen_prev, 1)])
-
-
-def test_markov_greedy_without_temperature():
-    gen = torch.Generator().manual_seed(6)
-    w1 = torch.randn(9, 2, generator=gen)
-    w2 = torch.randn(9, 2, generator=gen)
-    base = torch.randn(2, 3, 9, generator=gen)
-    got = markov_block_sample(base, torch.tensor([1, 2]), lambda i: w1[i], lambda e: e @ w2.t())
-    tokens, _ = _markov_reference(base, torch.tensor([1, 2]), w1, w2, torch.zeros(2), gen)
-    assert torch.equal(got.tokens, tokens)
-    assert got.probs is None
-    with pytest.raises(ValueError, match="anchor must have shape"):
-        markov_block_sample(base, torch.tensor([1]), lambda i: w1[i], lambda e: e @ w2.t())
 
 
 def test_model_markov_and_confidence_heads_use_checkpoint_weights(draft_env):

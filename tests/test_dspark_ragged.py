@@ -6,6 +6,8 @@ per-row Python loop written here from the issue's contract (not from the module)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -544,3 +546,143 @@ def test_clear_slots():
     cache_pos = torch.arange(12).view(3, 4)
     dr.clear_slots(cache_pos, [0, 2])
     assert cache_pos.tolist() == [[-1] * 4, [4, 5, 6, 7], [-1] * 4]
+
+
+# ---------------------------------------------------------------------------
+# Which cells a store writes (mutation testing: a duplicate write is invisible on CPU)
+# ---------------------------------------------------------------------------
+
+
+class _RecordIndexPut(torch.overrides.TorchFunctionMode):
+    """Records the index tuples of every in-place ``index_put_`` (the store's scatters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.indices = []
+        self.dtypes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.index_put_:
+            self.indices.append(tuple(i.clone() for i in args[1]))
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def reference_cells(positions, qsl, slots, window, num_rejected):
+    """(ring row, cell) per row the contract writes, in Python ints (one entry per row)."""
+    cells = []
+    for r in range(len(qsl) - 1):
+        start, end = int(qsl[r]), int(qsl[r + 1]) - int(num_rejected[r])
+        if end <= start:
+            continue
+        last = int(positions[end - 1])
+        cells += [
+            (int(slots[r]), int(positions[row]) % window)
+            for row in range(start, end)
+            if int(positions[row]) > last - window
+        ]
+    return cells
+
+
+@pytest.mark.parametrize(
+    "lengths, positions, rejected",
+    [
+        # The issue's case: positions 10, 11, 12, 14 with W=4; 10 is out (14 - 4), and a
+        # loosened bound (>=) would write 10 and 14 into the same cell. Ragged batch.
+        ([4, 2], [10, 11, 12, 14, 3, 4], [0, 0]),
+        # Same gap on a uniform batch (flat path), one request with a rejected suffix.
+        ([4, 4], [10, 11, 12, 14, 20, 22, 23, 24, 99], [0, 1]),
+        # Prefill chunk longer than W beside verify rows with rejections.
+        ([9, 3, 1], [*range(30, 39), 7, 9, 10, 5], [0, 2, 0]),
+    ],
+)
+def test_store_writes_each_reference_cell_exactly_once(lengths, positions, rejected):
+    """The live (ring row, cell) pairs written are unique and equal the contract's set.
+
+    On CPU the last duplicate write wins, so the final cache can look right while a GPU
+    (nondeterministic duplicate ``index_put_``) would keep either row.
+    """
+    window, num_slots = 4, 5
+    positions = torch.tensor(positions[: sum(lengths)])
+    qsl, slots = qsl_of(lengths), torch.tensor([3, 0, 4][: len(lengths)])
+    gen = torch.Generator().manual_seed(0)
+    cache, cache_pos = make_cache(num_slots, window, 2, torch.float32, gen)
+    kv = torch.randn(positions.numel(), 2, generator=gen)
+    with _RecordIndexPut() as seen:
+        store(cache, cache_pos, kv, positions, qsl, slots, rejected)
+    want = reference_cells(positions, qsl, slots, window, rejected)
+    assert len(want) == len(set(want))  # the contract itself never writes a cell twice
+    assert len(seen.indices) == 2  # one scatter for the values, one for the positions
+    for ring, cell in seen.indices:
+        live = [(int(a), int(b)) for a, b in zip(ring, cell, strict=True) if int(a) != num_slots]
+        assert sorted(live) == sorted(want)
+
+
+def test_plan_is_frozen():
+    """The plan is built once on the host and replayed by the device work: no field changes."""
+    plan = _plan([0, 3, 5])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.window = 4
+
+
+def test_decreasing_query_start_loc_names_both_entries():
+    with pytest.raises(ValueError) as err:
+        _plan([0, 4, 9, 7])
+    assert str(err.value).endswith(
+        "request 2 has query_start_loc[2]=9, query_start_loc[3]=7"
+    )
+
+
+def test_single_row_slot_table_serves_one_request_at_a_time():
+    table = dr.SlotTable(1)
+    assert table.assign(["a"]) == [0]
+    with pytest.raises(dr.SlotTableFullError):
+        table.assign(["a", "b"])
+    assert table.release(["a"]) == [0] and table.assign(["b"]) == [0]
+
+
+@pytest.mark.parametrize(
+    "dim, dtype, word",
+    [
+        (64, torch.bfloat16, torch.complex128),  # 128-byte rows: moved as 16-byte words
+        (8, torch.float32, torch.complex128),  # 32-byte rows
+        (3, torch.bfloat16, torch.bfloat16),  # 6-byte rows: element by element
+        (6, torch.float32, torch.float32),  # 24 bytes, not a multiple of 16
+    ],
+)
+def test_rows_move_as_16_byte_words_when_their_size_allows(dim, dtype, word):
+    """The fast copy (a row as 16-byte words, ~4x fewer index-kernel elements) is taken exactly
+    when a row is a whole number of 16-byte words; the bits stored equal the reference."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [3, 5]
+    positions = contiguous_positions([0, 40], lengths)
+    cache, cache_pos = make_cache(4, 4, dim, dtype, gen)
+    kv = torch.randn(positions.numel(), dim, generator=gen).to(dtype)
+    with _RecordIndexPut() as seen:
+        got_c, _ = run_both(cache, cache_pos, kv, positions, qsl_of(lengths), torch.tensor([2, 0]), None)
+    assert seen.dtypes[0] == word  # the value scatter (the second one writes positions)
+
+
+def test_step_plan_default_takes_the_flat_path_on_uniform_batches():
+    """store_plan_arrays without allow_flat (as the step plan calls it) keeps the fast path;
+    a ragged plan has no flat segment length (the plan fields before shipping)."""
+    qsl = torch.tensor([0, 4, 8, 12])
+    arrays, uniform = dr.store_plan_arrays(qsl, [0, 1, 2], None, 8, 4)
+    assert uniform["uniform"] and uniform["seg_len"] == 4
+    # The flat path reads no candidate list, so none is shipped to the device.
+    assert arrays["cand_rows"].size == 0 and arrays["cand_req"].size == 0
+    _, ragged = dr.store_plan_arrays(torch.tensor([0, 4, 9]), [0, 1], None, 8, 4)
+    assert not ragged["uniform"] and ragged["seg_len"] == 0
+
+
+def test_query_start_loc_not_starting_at_zero_names_its_first_entry():
+    with pytest.raises(ValueError, match=r"^query_start_loc\[0\] must be 0, got 2$"):
+        _plan([2, 5, 9])
+
+
+def test_allocated_rings_have_a_scratch_row_and_start_empty():
+    """S live ring rows plus one scratch row that discarded rows are sent to; every cell empty."""
+    cache, cache_pos = dr.allocate_rings(3, 8, 5, torch.bfloat16, "cpu")
+    assert cache.shape == (4, 8, 5) and cache.dtype == torch.bfloat16 and not cache.any()
+    assert cache_pos.shape == (4, 8) and cache_pos.dtype == torch.int64
+    assert (cache_pos == -1).all()

@@ -346,7 +346,7 @@ PLAN_ERRORS = [
     ("tp bool", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), True), r"tp_size must be an int >= 1, got True"),
     ("max_tokens", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, max_tokens=0), r"max_tokens must be an int >= 1"),
     ("rank", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, rank=1), r"rank must be an int in \[0, 1\)"),
-    ("group uninit", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, group=object()), r"torch\.distributed is not initialized"),
+    ("group uninit", lambda: pp.plan_packed_prefill(torch.tensor([0, 3]), 1, group=object()), r"torch\.distributed is not initialized|group must be a torch\.distributed ProcessGroup"),
 ]  # fmt: skip
 
 
@@ -468,6 +468,13 @@ def test_zero_pad_row_would_project_nonzero():
 # ---------------------------------------------------------------------------
 
 
+# Plans a rank must refuse in a real TP=2 group: (this rank) -> plan_packed_prefill kwargs.
+REFUSED_TP2_PLANS = {
+    "another rank": lambda rank: {"tp_size": 2, "rank": 1 - rank},
+    "world size": lambda rank: {"tp_size": 1, "rank": 0},
+}
+
+
 def _dist_worker(rank: int, port: int, out_dir: str) -> None:
     """One TP rank: ingest every scenario with TP=2 and save what it stored."""
     import datetime
@@ -493,6 +500,13 @@ def _dist_worker(rank: int, port: int, out_dir: str) -> None:
             results[name] = {"full": full, "caches": caches, "calls": calls}
         plan = pp.plan_packed_prefill(torch.tensor([0, 3, 7], dtype=torch.int32), 2)
         results["rids"] = pp.local_request_ids(plan, rank)
+        results["refused"] = {}
+        for label, kwargs in REFUSED_TP2_PLANS.items():
+            try:
+                pp.plan_packed_prefill(plan.query_start_loc, group=group, **kwargs(rank))
+                results["refused"][label] = None
+            except ValueError as err:
+                results["refused"][label] = str(err)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
         dist.destroy_process_group()
@@ -589,3 +603,15 @@ def test_group_that_is_not_a_process_group_is_refused(monkeypatch):
         ValueError, match="group must be a torch.distributed ProcessGroup, got object"
     ):
         pp.plan_packed_prefill(torch.tensor([0, 3]), 1, group=object())
+
+
+@pytest.mark.dist
+def test_tp2_plan_refuses_a_rank_or_size_that_is_not_the_groups(tp2):
+    """Each process knows its rank (it was spawned with it): any other rank, or a TP size
+    other than the group's, is a ValueError naming both, before any row is split."""
+    for rank, res in enumerate(tp2):
+        refused = res["refused"]
+        assert refused["another rank"] == (
+            f"rank={1 - rank} does not match this process's rank {rank} in group"
+        )
+        assert refused["world size"] == "group has world size 2, expected tp_size=1"

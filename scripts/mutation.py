@@ -1,0 +1,289 @@
+"""Mutation testing of the core modules with cosmic-ray: the score per module and the survivors.
+
+A mutant is a small realistic bug (a loosened bound, a negated check, an off-by-one) written
+into one module on disk; the module's fast unit tests run against it and should fail. The
+modules, their tests, the operators used and the equivalent mutants (each with its reason) are
+in pyproject.toml under [tool.mutation]. Tests that import the overlay through the installed
+`vllm` package see the mutants only when the overlay is applied with --link (checked here).
+An equivalent mutant is named by its line and the line as mutated (`--report-only` prints both).
+Each module keeps its own cosmic-ray session under .cache/mutation/<module>/, resumed when
+interrupted and rebuilt when the module's source, the operators or the equivalent list change;
+when only its tests change, the survivors run again (killed mutants stay killed).
+
+    .venv/bin/python scripts/mutation.py [--module NAME ...] [--limit N] [--report-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import re
+import shlex
+import signal
+import sqlite3
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import toml
+from cosmic_ray.mutating import mutate_and_test, mutate_code
+from cosmic_ray.plugins import get_operator
+from cosmic_ray.work_db import WorkDB, use_db
+from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKDIR = ROOT / ".cache" / "mutation"
+BIN = Path(sys.executable).parent
+HELD_LOCKS: list = []
+NOT_SELECTED = "operator not selected in [tool.mutation].operators"
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: str
+    tests: list[str]
+
+
+@dataclass(frozen=True)
+class Config:
+    modules: dict[str, Module]
+    operators: re.Pattern
+    pytest_args: list[str]
+    timeout: float
+    equivalent: list[dict]
+
+
+def load_config(pyproject: Path = ROOT / "pyproject.toml") -> Config:
+    """[tool.mutation] from pyproject.toml, every field checked."""
+    section = tomllib.loads(pyproject.read_text())["tool"]["mutation"]
+    modules = {}
+    for name, spec in section["modules"].items():
+        if not (ROOT / spec["path"]).is_file():
+            raise ValueError(f"[tool.mutation.modules.{name}].path: no file {spec['path']}")
+        modules[name] = Module(name, spec["path"], list(spec["tests"]))
+    for i, eq in enumerate(section.get("equivalent", [])):
+        where = f"[[tool.mutation.equivalent]] #{i}"
+        missing = sorted({"module", "line", "mutant", "reason"} - eq.keys())
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        if eq["module"] not in modules:
+            raise ValueError(f"{where}.module: {eq['module']!r} is not one of {sorted(modules)}")
+        if not eq["reason"].strip():
+            raise ValueError(f"{where}.reason: say why the mutant cannot change behaviour")
+    return Config(
+        modules=modules,
+        operators=re.compile("|".join(f"(?:{p})" for p in section["operators"])),
+        pytest_args=list(section["pytest_args"]),
+        timeout=float(section["timeout"]),
+        equivalent=list(section.get("equivalent", [])),
+    )
+
+
+def check_tests_see_mutants(module: Module) -> None:
+    """An overlay module must reach the installed vLLM as a link to this checkout's file."""
+    if not module.path.startswith("overlay/"):
+        return
+    installed = Path(sysconfig.get_paths()["purelib"]) / module.path.removeprefix("overlay/")
+    if installed.resolve() != (ROOT / module.path).resolve():
+        sys.exit(
+            f"{installed} is not a link to {module.path}: tests importing vllm would not see the"
+            " mutants. Apply the overlay with links first: make apply OVERLAY_MODE=--link"
+        )
+
+
+def session_files(module: Module, config: Config) -> tuple[Path, Path, str]:
+    """(cosmic-ray config, session db, fingerprint of the source + configuration)."""
+    source = (ROOT / module.path).read_bytes()
+    settings = json.dumps([config.operators.pattern, config.pytest_args, config.equivalent],
+                          sort_keys=True).encode()
+    digest = hashlib.sha256(source + settings).hexdigest()
+    folder = WORKDIR / module.name
+    return folder / "cosmic-ray.toml", folder / "session.sqlite", digest
+
+
+def mutant_line(source: str, operator: str, occurrence: int, line: int) -> str:
+    """The text of ``line`` once the mutation is applied (how the equivalent list names it)."""
+    mutated = mutate_code(source, get_operator(operator)(), occurrence)
+    return mutated.splitlines()[line - 1].strip() if mutated else ""
+
+
+def mark_skipped(db: WorkDB, config: Config, module: Module) -> None:
+    """Skip mutants of unselected operators, and the listed equivalent ones with their reason."""
+    source = (ROOT / module.path).read_text()
+    lines = source.splitlines()
+    listed = [eq for eq in config.equivalent if eq["module"] == module.name]
+    for item in db.pending_work_items:
+        (m,) = item.mutations
+        line = m.start_pos[0]
+        if not config.operators.fullmatch(m.operator_name):
+            reason = NOT_SELECTED
+        else:
+            same_line = [eq for eq in listed if eq["line"] == lines[line - 1].strip()]
+            mutant = mutant_line(source, m.operator_name, m.occurrence, line) if same_line else ""
+            reasons = [eq["reason"] for eq in same_line if eq["mutant"] == mutant]
+            if not reasons:
+                continue
+            reason = "equivalent: " + reasons[0]
+        db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+
+
+def tests_digest(module: Module) -> str:
+    """The module's test list and the text of its test files."""
+    files = sorted(p for t in module.tests if (p := ROOT / t).is_file())
+    listed = json.dumps(module.tests).encode()
+    return hashlib.sha256(listed + b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+def retest_survivors(session: Path) -> None:
+    """The tests changed: the survivors run again, first (killed mutants stay killed)."""
+    with sqlite3.connect(session) as db:
+        survivors = "SELECT job_id FROM work_results WHERE test_outcome = 'SURVIVED'"
+        db.execute(f"CREATE TABLE IF NOT EXISTS retest AS {survivors} LIMIT 0")
+        db.execute(f"INSERT INTO retest {survivors}")
+        db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+
+
+def run_order(session: Path) -> dict[str, int]:
+    """job id -> 0 for mutants to test again (they run first); others sort after, by job id."""
+    with sqlite3.connect(session) as db:
+        has_table = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'retest'").fetchone()
+        return dict.fromkeys((r for (r,) in db.execute("SELECT job_id FROM retest")), 0) if has_table else {}
+
+
+def pytest_command(module: Module, config: Config) -> str:
+    return shlex.join([sys.executable, "-m", "pytest", *config.pytest_args, *module.tests])
+
+
+def prepare(module: Module, config: Config) -> Path:
+    """A cosmic-ray session for the module: reused if its fingerprint is unchanged."""
+    cr_config, session, digest = session_files(module, config)
+    stamp = session.with_suffix(".digest")
+    tests_stamp = session.with_suffix(".tests")
+    if session.exists() and stamp.exists() and stamp.read_text() == digest:
+        if not tests_stamp.exists() or tests_stamp.read_text() != tests_digest(module):
+            retest_survivors(session)
+            tests_stamp.write_text(tests_digest(module))
+        return session
+    cr_config.parent.mkdir(parents=True, exist_ok=True)
+    session.unlink(missing_ok=True)
+    test_command = pytest_command(module, config)
+    cr_config.write_text(toml.dumps({"cosmic-ray": {
+        "module-path": module.path, "timeout": config.timeout, "excluded-modules": [],
+        "test-command": test_command, "distributor": {"name": "local"},
+    }}))
+    subprocess.run([BIN / "cosmic-ray", "init", cr_config, session], cwd=ROOT, check=True)
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        mark_skipped(db, config, module)
+    stamp.write_text(digest)
+    tests_stamp.write_text(tests_digest(module))
+    return session
+
+
+def hold_lock(module: Module) -> None:
+    """One run per module: a second would mutate the same file, or fingerprint a live mutant."""
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    lock = (WORKDIR / f"{module.name}.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"{module.name}: another mutation run holds {lock.name}")
+    HELD_LOCKS.append(lock)  # released when this process exits
+
+
+def execute(module: Module, session: Path, test_command: str, timeout: float,
+            limit: int | None) -> None:
+    """Run the pending mutants (the first ``limit`` in job-id order, a fixed random sample);
+    the module's source is put back whatever happens."""
+    source = ROOT / module.path
+    original = source.read_bytes()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs
+    try:
+        with use_db(str(session), WorkDB.Mode.open) as db:
+            first = run_order(session)
+            pending = sorted(db.pending_work_items,
+                             key=lambda item: (first.get(item.job_id, 1), item.job_id))
+            for item in pending[:limit]:
+                db.set_result(item.job_id, mutate_and_test(item.mutations, test_command, timeout))
+    finally:
+        if source.read_bytes() != original:
+            source.write_bytes(original)
+
+
+def report(module: Module, session: Path) -> tuple[int, int]:
+    """Print the module's score and survivors; return (killed, scored)."""
+    lines = (ROOT / module.path).read_text().splitlines()
+    killed = scored = pending = 0
+    equivalent, survivors, failed = [], [], []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        pending = len(db.pending_work_items)
+        for item, result in db.completed_work_items:
+            (m,) = item.mutations
+            where = f"{module.path}:{m.start_pos[0]} {m.operator_name} #{m.occurrence}"
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                if result.output != NOT_SELECTED:
+                    equivalent.append(f"{where}: {result.output}")
+                continue
+            if result.worker_outcome != WorkerOutcome.NORMAL:  # the mutation itself failed
+                failed.append(f"{where}: {result.worker_outcome}")
+                continue
+            scored += 1
+            if result.test_outcome == TestOutcome.SURVIVED:
+                survivors.append(f"{where}\n      {lines[m.start_pos[0] - 1].strip()}\n"
+                                 + "".join(f"      {d}\n" for d in (result.diff or "").splitlines()
+                                           if d[:1] in "+-" and d[:3] not in ("+++", "---")))
+            else:
+                killed += 1
+    score = 100.0 * killed / scored if scored else 0.0
+    print(f"{module.name}: {killed}/{scored} killed ({score:.1f}%), {len(equivalent)} equivalent"
+          f" skipped, {pending} not run")
+    for line in equivalent:
+        print(f"  equivalent {line}")
+    for line in failed:
+        print(f"  not scored (no test run) {line}")
+    for line in survivors:
+        print(f"  SURVIVED {line}", end="")
+    return killed, scored
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--module", action="append", help="a module name from [tool.mutation.modules]")
+    parser.add_argument("--report-only", action="store_true", help="print the last results, run nothing")
+    parser.add_argument("--limit", type=int, help="run at most this many mutants per module now"
+                        " (a fixed random sample; the next run goes on with the rest)")
+    parser.add_argument("--min-score", type=float, default=90.0, help="exit 1 below this %% (default 90)")
+    args = parser.parse_args(argv)
+    config = load_config()
+    names = args.module or list(config.modules)
+    unknown = sorted(set(names) - config.modules.keys())
+    if unknown:
+        parser.error(f"--module: unknown {unknown}; expected one of {sorted(config.modules)}")
+    below = []
+    for name in names:
+        module = config.modules[name]
+        if args.report_only:
+            session = session_files(module, config)[1]
+            if not session.exists():
+                print(f"{name}: no session yet")
+                continue
+        else:
+            check_tests_see_mutants(module)
+            hold_lock(module)
+            session = prepare(module, config)
+            execute(module, session, pytest_command(module, config), config.timeout, args.limit)
+        killed, scored = report(module, session)
+        if not scored or 100.0 * killed / scored < args.min_score:
+            below.append(name)
+    if below:
+        print(f"below {args.min_score}%: {', '.join(below)}")
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
