@@ -146,6 +146,7 @@ def run_wave(engine, all_prompts, ids, max_tokens):
 
 
 def run(model: str, target: PlainTarget) -> dict:
+    from support.dspark_steps import observe_steps
     from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     all_prompts = prompts()
@@ -163,9 +164,9 @@ def run(model: str, target: PlainTarget) -> dict:
     for wave in ("warm", "hits"):
         drafter.counters = DSparkCounters()
         sight = FirstSight(drafter)
-        drafter.step_observer = sight
+        observe_steps(drafter, sight)
         outputs, cached, steps = run_wave(engine, all_prompts, WAVES[wave], MAX_TOKENS)
-        drafter.step_observer = None
+        observe_steps(drafter, None)
         result[wave] = {
             "outputs": outputs,
             "num_cached_tokens": cached,
@@ -184,7 +185,7 @@ def run(model: str, target: PlainTarget) -> dict:
     drafter.counters = DSparkCounters()
     drafter.draft_override = WindowSensitiveOracle(drafter, oracle)
     sight = FirstSight(drafter)
-    drafter.step_observer = sight
+    observe_steps(drafter, sight)
     per_request = {}
     # One request at a time: each one's acceptance is its own (no shared counters).
     outputs, cached = {}, {}
@@ -198,7 +199,7 @@ def run(model: str, target: PlainTarget) -> dict:
             k: after[k] - before[k] for k in ("verified_tokens", "accepted_tokens")
         }
     drafter.draft_override = None
-    drafter.step_observer = None
+    observe_steps(drafter, None)
     result["holes"] = {
         "outputs": outputs,
         "num_cached_tokens": cached,
