@@ -274,6 +274,13 @@ serve() {
     if ((${R_NNODES:-1} > 1 && NODE_RANK > 0)); then
         wait_for_head "$MASTER_ADDR" "${R_MASTER_PORT:?profile has no master port}" "${HEAD_WAIT_TIMEOUT_S:-900}"
     fi
+    # The DSpark drafter runs in a worker process: its /metrics series travel through
+    # prometheus_client's multiprocess mode, which needs a fresh, empty directory.
+    if [[ -z ${PROMETHEUS_MULTIPROC_DIR:-} ]]; then
+        PROMETHEUS_MULTIPROC_DIR=$(mktemp -d /tmp/vllm-metrics.XXXXXX) \
+            || die "cannot create a metrics directory under /tmp"
+        export PROMETHEUS_MULTIPROC_DIR
+    fi
     local quoted
     printf -v quoted '%q ' "${CMD[@]}"
     log "exec ${quoted% }"
