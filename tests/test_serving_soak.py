@@ -12,6 +12,7 @@ own prompt logprobs. Loopback only; every loop and request is bounded in count a
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import time
@@ -24,6 +25,7 @@ from bench.dspark import dspark_delta, format_dspark
 from bench.prometheus import dspark_snapshot, parse_prometheus
 from conftest import REPO
 from support.cpu_server import CPU_TINY_API_KEY, child_pids, process_tree_rss
+from teacher_forcing import EPSILON_NATS, token_deficits
 
 aiohttp = pytest.importorskip("aiohttp")
 
@@ -33,7 +35,6 @@ PROFILE = yaml.safe_load((REPO / "recipe/profiles/cpu-tiny.yaml").read_text())
 MODEL = PROFILE["model"]["served_name"]
 MAX_NUM_SEQS = PROFILE["serving"]["max_num_seqs"]
 MAX_MODEL_LEN = PROFILE["serving"]["max_model_len"]
-VOCAB = json.loads((REPO / PROFILE["model"]["id"] / "config.json").read_text())["vocab_size"]
 
 WAVES = 4
 PER_WAVE = 2 * MAX_NUM_SEQS  # more than can run at once: some wait in the queue
@@ -41,10 +42,6 @@ DROP_EVERY = 3  # every third request is dropped by the client after its first c
 DROP_AFTER_CHUNKS = 2
 REQUEST_TIMEOUT_S = 240
 DRAIN_TIMEOUT_S = 120
-# Teacher forcing: an emitted greedy token must be within EPS nats of the target's best
-# logprob at its position. Batch-shape bf16 noise on the tiny model is ~0.016 nats; a wrong
-# token is 2-8 nats off, so 0.05 separates the two with margin on both sides.
-EPS = 0.05
 
 
 def completion(prompt: list[int], max_tokens: int, temperature: float, **extra) -> dict:
@@ -57,31 +54,46 @@ def completion(prompt: list[int], max_tokens: int, temperature: float, **extra) 
     }
 
 
-MALFORMED = {
-    "invalid JSON": ("/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": [1, 2'),
-    "prompt longer than max_model_len": (
-        "/v1/completions",
-        completion([7] * (MAX_MODEL_LEN + 10), 4, 0.0),
-    ),
-    "absurd max_tokens": ("/v1/completions", completion([7] * 5, 10**12, 0.0)),
-    "negative max_tokens": ("/v1/completions", completion([7] * 5, -3, 0.0)),
-    "unknown model": ("/v1/completions", completion([7] * 5, 4, 0.0) | {"model": "no-such"}),
-    "out-of-vocabulary token id": ("/v1/completions", completion([7, VOCAB + 100], 4, 0.0)),
-    "negative token id": ("/v1/completions", completion([7, -4], 4, 0.0)),
-    "messages not a list": (
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": "hello", "max_tokens": 4},
-    ),
-    "message content of the wrong type": (
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": 123}], "max_tokens": 4},
-    ),
-    "unknown message role": (
-        "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 4},
-    ),
-    "negative temperature": ("/v1/completions", completion([7] * 5, 4, -1.0)),
-}
+@functools.cache
+def vocab_size() -> int:
+    """The tiny checkpoint's vocabulary; read once the server fixture has generated it."""
+    config = REPO / PROFILE["model"]["id"] / "config.json"
+    return json.loads(config.read_text())["vocab_size"]
+
+
+def malformed_requests() -> dict[str, tuple[str, dict | bytes]]:
+    """Requests the server must refuse with a 4xx and a message: what -> (path, body)."""
+    return {
+        "invalid JSON": (
+            "/v1/completions",
+            b'{"model": "' + MODEL.encode() + b'", "prompt": [1, 2',
+        ),
+        "prompt longer than max_model_len": (
+            "/v1/completions",
+            completion([7] * (MAX_MODEL_LEN + 10), 4, 0.0),
+        ),
+        "absurd max_tokens": ("/v1/completions", completion([7] * 5, 10**12, 0.0)),
+        "negative max_tokens": ("/v1/completions", completion([7] * 5, -3, 0.0)),
+        "unknown model": ("/v1/completions", completion([7] * 5, 4, 0.0) | {"model": "no-such"}),
+        "out-of-vocabulary token id": (
+            "/v1/completions",
+            completion([7, vocab_size() + 100], 4, 0.0),
+        ),
+        "negative token id": ("/v1/completions", completion([7, -4], 4, 0.0)),
+        "messages not a list": (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": "hello", "max_tokens": 4},
+        ),
+        "message content of the wrong type": (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 123}], "max_tokens": 4},
+        ),
+        "unknown message role": (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 4},
+        ),
+        "negative temperature": ("/v1/completions", completion([7] * 5, 4, -1.0)),
+    }
 
 
 # The shared server requires its API key (as a Spark head does): every request carries it.
@@ -128,7 +140,7 @@ def wave_requests(rng: random.Random, wave: int) -> list[dict]:
                 # Dropped ones ask for many tokens and ignore EOS, so they are surely
                 # mid-stream when the client goes away.
                 "body": completion(
-                    [rng.randrange(3, VOCAB) for _ in range(prompt_len)],
+                    [rng.randrange(3, vocab_size()) for _ in range(prompt_len)],
                     max_tokens=160 if drop else rng.randint(4, 24),
                     temperature=0.0 if (i + wave) % 2 == 0 else 0.8,
                     stream=True,
@@ -167,12 +179,13 @@ async def run_wave(base: str, reqs: list[dict]) -> list[str]:
 
 
 def check_malformed(base: str) -> int:
-    for what, (path, body) in MALFORMED.items():
+    requests = malformed_requests()
+    for what, (path, body) in requests.items():
         status, text = http(base, path, body)
         assert 400 <= status < 500, f"{what}: HTTP {status}: {text[:300]}"
         message = json.loads(text)["error"]["message"]
         assert isinstance(message, str) and message.strip(), f"{what}: no error message: {text}"
-    return len(MALFORMED)
+    return len(requests)
 
 
 def wait_drained(base: str) -> str:
@@ -201,13 +214,11 @@ def teacher_forcing_deficit(base: str, prompt: list[int], max_tokens: int) -> fl
         base, "/v1/completions", completion(prompt + emitted, 1, 0.0, prompt_logprobs=1)
     )
     assert status == 200, text
-    scored = json.loads(text)["choices"][0]["prompt_logprobs"]
-    worst = 0.0
-    for j, token in enumerate(emitted):
-        entry = scored[len(prompt) + j]
-        best = max(v["logprob"] for v in entry.values())
-        worst = max(worst, best - entry[str(token)]["logprob"])
-    return worst
+    scored = [
+        None if entry is None else {int(t): v["logprob"] for t, v in entry.items()}
+        for entry in json.loads(text)["choices"][0]["prompt_logprobs"]
+    ]
+    return max(token_deficits(scored, len(prompt), emitted))
 
 
 def test_soak_leaks_nothing(cpu_tiny_server, capsys):
@@ -246,7 +257,7 @@ def test_soak_leaks_nothing(cpu_tiny_server, capsys):
             - metric_sum(first, "vllm:request_generation_tokens_sum")
         )
     )
-    deficit = teacher_forcing_deficit(base, [rng.randrange(3, VOCAB) for _ in range(57)], 24)
+    deficit = teacher_forcing_deficit(base, [rng.randrange(3, vocab_size()) for _ in range(57)], 24)
     mem_after = process_tree_rss(server.pid)
     with capsys.disabled():
         print(
@@ -269,4 +280,4 @@ def test_soak_leaks_nothing(cpu_tiny_server, capsys):
     assert delta["ring_slots_total"] == MAX_NUM_SEQS
     assert delta["steps"]["flat"] > 0 and delta["steps"]["ragged"] > 0, format_dspark(delta)
     assert delta["context_rows"]["stored"] > 0
-    assert deficit <= EPS, f"greedy output after the soak is off by {deficit:.3f} nats"
+    assert deficit <= EPSILON_NATS, f"greedy output after the soak is off by {deficit:.3f} nats"
