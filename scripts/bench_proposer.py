@@ -103,16 +103,33 @@ class HostReadCounter(TorchFunctionMode):
 
 
 BLOCK = "dspark_draft_block"
+# Ops that only make a new view of memory, allocate it, or return their input: on a GPU
+# none of them launches a kernel. A top-level op "launches" when some op in its subtree
+# is not one of these (a real dtype cast, a copying reshape and all arithmetic do).
+_METADATA_OPS = frozenset(
+    "aten::" + name
+    for name in (
+        "view _unsafe_view reshape _reshape_alias slice select unsqueeze squeeze expand "
+        "flatten unflatten alias as_strided split split_with_sizes unbind chunk narrow "
+        "permute transpose t detach resolve_conj resolve_neg lift_fresh empty "
+        "empty_strided to _to_copy numpy"
+    ).split()
+)
 
 
-def top_level_aten_ops(prof, by_name: collections.Counter | None = None) -> tuple[int, int]:
-    """(all top-level aten ops, those inside the draft block) of one profiled call.
+def _launches(event) -> bool:
+    """Whether the op or one below it does work on the data (see ``_METADATA_OPS``)."""
+    return event.name not in _METADATA_OPS or any(_launches(c) for c in event.cpu_children)
+
+
+def top_level_aten_ops(prof, by_name: collections.Counter | None = None) -> tuple[int, int, int]:
+    """(all top-level aten ops, those inside the draft block, those that launch work).
 
     The draft block has static shapes and no host reads: on a GPU it is one CUDA graph
     replay, so only the ops outside it launch one by one. ``by_name`` (if given) is
     updated with each top-level op's name, prefixed ``block:`` inside the draft block.
     """
-    total = in_block = 0
+    total = in_block = launching = 0
     for event in prof.events():
         parent = event.cpu_parent
         if not event.name.startswith("aten::") or (
@@ -120,12 +137,13 @@ def top_level_aten_ops(prof, by_name: collections.Counter | None = None) -> tupl
         ):
             continue
         total += 1
+        launching += _launches(event)
         while parent is not None and parent.name != BLOCK:
             parent = parent.cpu_parent
         in_block += parent is not None
         if by_name is not None:
             by_name[("block:" if parent is not None else "") + event.name] += 1
-    return total, in_block
+    return total, in_block, launching
 
 
 def ensure_model(path: Path) -> Path:
@@ -180,6 +198,37 @@ def summarize(values: list[float]) -> dict:
     }
 
 
+def plot(result: dict, path: Path) -> None:
+    """Median ops per step (all, launching, outside the block), with the baseline's if any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [
+        k
+        for k in (
+            "aten_ops_per_step",
+            "aten_ops_launching_per_step",
+            "aten_ops_outside_draft_block",
+        )
+        if k in result
+    ]
+    runs = [r for r in (result.get("baseline"), result) if r is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        values = [run.get(k, {}).get("median", 0) for k in keys]
+        ax.bar([j + i * width for j in range(len(keys))], values, width, label=run["label"])
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(keys))])
+    ax.set_xticklabels(["all top-level", "launching work", "outside draft block"])
+    ax.set_ylabel("aten ops per propose() step (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -192,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(ensure_model(args.model.resolve()))
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     propose = drafter.propose
-    ops, outside_block, reads, propose_ms = [], [], [], []
+    ops, outside_block, launching, reads, propose_ms = [], [], [], [], []
     kinds, sites, op_names = collections.Counter(), collections.Counter(), collections.Counter()
 
     block = getattr(drafter, "draft_block", None)  # absent before the plan/run split
@@ -208,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with HostReadCounter() as counter:
                 out = propose(*a, **kw)
-        total, in_block = top_level_aten_ops(prof, op_names)
+        total, in_block, launches = top_level_aten_ops(prof, op_names)
         ops.append(total)
+        launching.append(launches)
         outside_block.append(total - in_block)
         reads.append(sum(counter.kinds.values()))
         kinds.update(counter.kinds)
@@ -241,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": len(ops),
         "aten_ops_per_step": summarize(ops),
         "aten_ops_outside_draft_block": summarize(outside_block),
+        "aten_ops_launching_per_step": summarize(launching),
         "host_reads_per_step": summarize(reads),
         "aten_ops_by_name_per_step": {
             name: round(count / len(ops), 2) for name, count in op_names.most_common()
@@ -255,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"{result['steps']} propose() steps ({args.label})")
-    keys = ("aten_ops_per_step", "aten_ops_outside_draft_block", "host_reads_per_step")
+    keys = (
+        "aten_ops_per_step",
+        "aten_ops_launching_per_step",
+        "aten_ops_outside_draft_block",
+        "host_reads_per_step",
+    )
     for key in (*keys, "propose_ms", "engine_step_ms"):
         s = result[key]
         print(f"  {key:28s} median {s['median']:8.2f}  max {s['max']:8.2f}")
@@ -272,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key:28s} {before:8.2f} -> {after:8.2f}  ({after / max(before, 1e-9):.2f}x)")
         result["baseline"] = old
         args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
     return 0
 
 

@@ -12,8 +12,10 @@ from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     DraftContext,
+    DraftRMSNorm,
     block_hidden_keys,
     fp8_nope_roundtrip,
+    unit_rms_norm,
 )
 from vllm.models.deepseek_v4.common.fp8_ds_mla import (  # noqa: E402
     QUANT_BLOCK,
@@ -240,6 +242,35 @@ def test_rope_tables_equal_upstream_rope_bitwise(draft_env):
     assert torch.equal(tables.rotate(x)[..., : s.head_dim - s.rope_dim], x[..., :-s.rope_dim])
     # The check can fail: another position's tables rotate differently.
     assert not torch.equal(draft.rope_at(positions + 1).rotate(x), tables.rotate(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_draft_rms_norm_equals_vllms_eager_rms_norm(draft_env, dtype):
+    """The draft's one-op eager RMSNorm == vLLM's own eager ``rms_norm`` (its IR native op).
+
+    Both take fp32 statistics and apply the weight in x's dtype; a CPU's fused reduction
+    may sum in another order, so up to one rounding step of x's dtype is allowed (bf16:
+    2^-8 relative; fp32: 1e-6), far below the ~1e-2 of a wrong weight or epsilon.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.ir.ops.layernorm import rms_norm
+
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(5, 3, 256, generator=gen) * 3).to(dtype)
+    with set_current_vllm_config(draft_env[1]):
+        norm = DraftRMSNorm(256, eps=1e-6, dtype=dtype)
+    norm.weight.data.copy_(torch.rand(256, generator=gen) + 0.5)
+    tol = {"rtol": 2**-8, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    want = rms_norm.impls["native"].impl_fn(x, norm.weight.data, 1e-6)
+    got = norm.forward_native(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    unit = rms_norm.impls["native"].impl_fn(x, None, 1e-6)
+    torch.testing.assert_close(unit_rms_norm(x, 1e-6), unit, **tol)
+    # The check can fail: another epsilon moves small rows well past the tolerance.
+    small = x * 1e-3
+    moved = unit_rms_norm(small, 1e-3).float() - rms_norm.impls["native"].impl_fn(small, None, 1e-6)
+    assert moved.abs().max() > 0.1
 
 
 def test_roundtrip_blocks_equal_quantize_then_dequantize():

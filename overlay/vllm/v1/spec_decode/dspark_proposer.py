@@ -90,6 +90,11 @@ class DSparkCounters:
         return asdict(self)
 
 
+def _first_rows(num_rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The first ``num_rows`` rows of each tensor (a slice only where it has more)."""
+    return tuple(t if t.shape[0] == num_rows else t[:num_rows] for t in tensors)
+
+
 class DSparkProposer:
     """Drafts ``[R, N]`` tokens per step for DeepSeek-V4 DSpark on the V1 runner."""
 
@@ -130,13 +135,24 @@ class DSparkProposer:
         self.model: nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # [S+1, W, K * D], all draft layers
         self.kv_pos: torch.Tensor | None = None  # [S+1, W] absolute position per cell
-        self.last_confidence: torch.Tensor | None = None
+        self._layer_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
+        # (head hidden, Markov embeds) of the last block's real rows: its confidence is
+        # computed only when read (fixed-length verify does not use it).
+        self._confidence_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._last_probs: torch.Tensor | None = None
         # The one test hook (None in production): replaces the drafts of a step.
         # ``draft_override(req_ids=, anchor_positions=, anchor_tokens=, drafts=)`` gets
         # [R] tensors and the [R, k] drafts, returns replacement drafts or None.
         self.draft_override: Callable[..., torch.Tensor | None] | None = None
         self.supports_mm_inputs = False
+
+    @property
+    def last_confidence(self) -> torch.Tensor | None:
+        """``[R, N]`` confidence of the last block's drafts (None without a confidence head)."""
+        if self._confidence_inputs is None or self.model is None:
+            return None
+        with torch.inference_mode():
+            return self.model.compute_confidence(*self._confidence_inputs)
 
     @property
     def counters(self) -> DSparkCounters:
@@ -180,14 +196,12 @@ class DSparkProposer:
         self.kv_cache, self.kv_pos = allocate_rings(
             self.max_num_seqs, self.window, self.num_layers * self.head_dim, self.dtype, self.device
         )
+        stacked = self.kv_cache.view(-1, self.window, self.num_layers, self.head_dim)
+        self._layer_caches = list(stacked.unbind(2))
 
     def layer_caches(self) -> list[torch.Tensor]:
-        """Per-layer views ``[S+1, W, D]`` of the stacked ring."""
-        assert self.kv_cache is not None
-        stacked = self.kv_cache.view(
-            self.kv_cache.shape[0], self.window, self.num_layers, self.head_dim
-        )
-        return [stacked[:, :, j] for j in range(self.num_layers)]
+        """Per-layer views ``[S+1, W, D]`` of the stacked ring (made once, when allocated)."""
+        return self._layer_caches
 
     # ------------------------------------------------------- runner protocol
 
@@ -269,12 +283,14 @@ class DSparkProposer:
         )
         self.live_request_ids.update(req_ids)
         num_rows, num_reqs = plan.num_rows, plan.num_requests
-        positions = positions[:num_rows]
+        positions, aux_hidden_states = _first_rows(num_rows, positions, aux_hidden_states)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
-            self._ingest(plan, positions, aux_hidden_states[:num_rows], num_rejected)
+            self._ingest(plan, positions, aux_hidden_states, num_rejected)
             anchor_pos = draft_anchor_positions(plan, positions, num_rejected)
+            if next_token_ids.dtype != torch.int64:
+                next_token_ids = next_token_ids.long()
             anchors = torch.nn.functional.pad(
-                next_token_ids.long(), (0, plan.draft_rows - num_reqs), value=self.noise_token_id
+                next_token_ids, (0, plan.draft_rows - num_reqs), value=self.noise_token_id
             )
             noise = None
             if temperature is not None and self.probabilistic:
@@ -287,8 +303,9 @@ class DSparkProposer:
         drafts = tokens[:num_reqs, : self.num_speculative_tokens]
         if self._last_probs is not None:
             self._last_probs = self._last_probs[:num_reqs]
-        if self.last_confidence is not None:
-            self.last_confidence = self.last_confidence[:num_reqs]
+        if self._confidence_inputs is not None:
+            head, embeds = self._confidence_inputs
+            self._confidence_inputs = (head[:num_reqs], embeds[:num_reqs])
         if self.draft_override is not None:
             replaced = self.draft_override(
                 req_ids=req_ids,
@@ -325,7 +342,7 @@ class DSparkProposer:
     def _project(self, aux: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``aux [T, m*H]`` -> context KV of all draft layers, ``[T, K * D]``."""
         model = self.model
-        main_x = model.combine_hidden_states(aux.to(self.dtype))
+        main_x = model.combine_hidden_states(aux if aux.dtype == self.dtype else aux.to(self.dtype))
         kv = model.context_kv(main_x, positions)
         return kv.reshape(kv.shape[0], self.num_layers * self.head_dim)
 
@@ -374,8 +391,8 @@ class DSparkProposer:
         (probabilistic drafting) and the confidence of the block.
         """
         model, n = self.model, self.num_speculative_tokens
-        ids = torch.full_like(anchors[:, None].expand(-1, n), self.noise_token_id)
-        ids[:, 0] = anchors
+        noise = anchors.new_full((anchors.shape[0], n - 1), self.noise_token_id)
+        ids = torch.cat([anchors.unsqueeze(1), noise], dim=1)
         pos = draft_block_positions(anchor_pos, n, self.max_model_len)
         mask = window_mask(self.kv_pos, slots, anchor_pos, self.window)
         head = model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
@@ -388,7 +405,7 @@ class DSparkProposer:
             race_noise=race_noise,
             return_probs=self.probabilistic,
         )
-        self.last_confidence = model.compute_confidence(head, out.embeds)
+        self._confidence_inputs = (head, out.embeds)
         self._last_probs = out.probs
         return out.tokens
 

@@ -149,8 +149,9 @@ def block_hidden_keys(window_mask: torch.Tensor, block_len: int) -> torch.Tensor
     Keys are the W ring cells (``window_mask [R, W]`` True where valid) then the N block
     rows, which every block query attends (non-causal).
     """
-    block = window_mask.new_zeros((window_mask.shape[0], block_len))
-    return torch.cat([~window_mask, block], dim=1)[:, None, None, :]
+    num_requests = window_mask.shape[0]
+    block = window_mask.new_zeros((num_requests, block_len))
+    return torch.cat([~window_mask, block], dim=1).view(num_requests, 1, 1, -1)
 
 
 def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -168,10 +169,34 @@ def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return torch.cat([head.flatten(-2).to(kv.dtype), kv[..., nope:]], dim=-1)
 
 
-def _rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm over the last dim, computed in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMSNorm over the last dim: fp32 statistics, result in x's dtype.
+
+    torch's single ``rms_norm`` op computes ``x * rsqrt(mean(x^2) + eps)`` in fp32 for a
+    bf16 input and casts back, the arithmetic of vLLM's eager ``rms_norm`` in one op
+    instead of seven.
+    """
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+class DraftRMSNorm(RMSNorm):
+    """vLLM's RMSNorm with a one-op eager path for the draft, which runs every step.
+
+    Where vLLM dispatches to its fused kernel nothing changes. Its eager path
+    (``forward_native``: CPU, or a GPU without the custom op) is nine tensor ops;
+    ``unit_rms_norm`` then the weight in x's dtype is the same arithmetic in two.
+    """
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None or self.variance_size_override is not None:
+            return super().forward_native(x, residual)
+        if not self.has_weight:
+            return unit_rms_norm(x, self.variance_epsilon)
+        if self.weight.dtype != x.dtype:
+            return super().forward_native(x, residual)
+        return unit_rms_norm(x, self.variance_epsilon) * self.weight
 
 
 def _dense_weight(layer: nn.Module) -> torch.Tensor:
@@ -229,10 +254,10 @@ class DSparkDraftAttention(nn.Module):
             )
 
         self.wq_a = linear(s.hidden_size, s.q_lora_rank, "wq_a")
-        self.q_norm = RMSNorm(s.q_lora_rank, eps=s.rms_eps)
+        self.q_norm = DraftRMSNorm(s.q_lora_rank, eps=s.rms_eps)
         self.wq_b = linear(s.q_lora_rank, s.num_heads * s.head_dim, "wq_b")
         self.wkv = linear(s.hidden_size, s.head_dim, "wkv")
-        self.kv_norm = RMSNorm(s.head_dim, eps=s.rms_eps)
+        self.kv_norm = DraftRMSNorm(s.head_dim, eps=s.rms_eps)
         self.heads_per_group = s.num_heads // s.o_groups
         self.wo_a = linear(self.heads_per_group * s.head_dim, s.o_groups * s.o_lora_rank, "wo_a")
         self.wo_b = linear(s.o_groups * s.o_lora_rank, s.hidden_size, "wo_b")
@@ -286,16 +311,16 @@ class DSparkDraftAttention(nn.Module):
         rows = x.shape[0]
         n = rows // num_requests
         q = self.wq_b(self.q_norm(self.wq_a(x))).view(rows, s.num_heads, s.head_dim)
-        q = rope.rotate(_rms_unit(q, s.rms_eps))
-        block_kv = rope.rotate(self.project_kv(x)[:, None]).view(num_requests, n, s.head_dim)
-        block_kv = fp8_nope_roundtrip(block_kv, s.rope_dim)
+        # q's heads and the row's latent KV share the row's RoPE: one rotation for both.
+        q_kv = torch.cat([unit_rms_norm(q, s.rms_eps), self.project_kv(x).unsqueeze(1)], dim=1)
+        q, block_kv = rope.rotate(q_kv).split([s.num_heads, 1], dim=1)
+        block_kv = fp8_nope_roundtrip(block_kv.view(num_requests, n, s.head_dim), s.rope_dim)
 
         keys = torch.cat([ctx_kv, block_kv], dim=1).float()  # [R, W+N, D]
         qf = q.view(num_requests, n, s.num_heads, s.head_dim).float()
         scores = torch.einsum("rnhd,rkd->rnhk", qf, keys) * self.scale
         scores = scores.masked_fill(hidden_keys, float("-inf"))
-        sink = self.attn_sink.float().view(1, 1, s.num_heads, 1)
-        sink = sink.expand(num_requests, n, s.num_heads, 1)
+        sink = self.attn_sink.view(1, 1, s.num_heads, 1).expand(num_requests, n, -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("rnhk,rkd->rnhd", probs, keys).to(x.dtype)
         out = rope.rotate(out.reshape(rows, s.num_heads, s.head_dim), inverse=True)
@@ -317,8 +342,8 @@ class DSparkDraftLayer(nn.Module):
         self.shape = s
         self.attn = DSparkDraftAttention(s, vllm_config.quant_config, f"{prefix}.attn")
         self.ffn = _make_moe(vllm_config, f"{prefix}.ffn")
-        self.attn_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
-        self.ffn_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        self.attn_norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
+        self.ffn_norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
         mix = (2 + s.hc_mult) * s.hc_mult
         width = s.hc_mult * s.hidden_size
         for kind in ("attn", "ffn"):
@@ -402,7 +427,7 @@ class DSparkDeepseekV4Draft(nn.Module):
             quant_config=quant_config,
             prefix=f"{base}.main_proj",
         )
-        self.main_norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        self.main_norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
         # Pure sliding-window layers use plain RoPE (no YaRN) on the last rope_dim dims;
         # every draft layer has the same one, so the draft holds it once (RopeTables).
         self.rotary_emb = build_deepseek_v4_rope(
@@ -417,7 +442,7 @@ class DSparkDeepseekV4Draft(nn.Module):
             DSparkDraftLayer(vllm_config, s, prefix=f"{base}.layers.{s.num_target_layers + j}")
             for j in range(s.num_draft_layers)
         )
-        self.norm = RMSNorm(s.hidden_size, eps=s.rms_eps)
+        self.norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
         width = s.hc_mult * s.hidden_size
         self.hc_head_fn = nn.Parameter(
             torch.empty(s.hc_mult, width, dtype=torch.float32), requires_grad=False
@@ -489,7 +514,7 @@ class DSparkDeepseekV4Draft(nn.Module):
         hidden_keys = block_hidden_keys(context.mask, n)
         x = self.embed_tokens(flat_ids)
         x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
-        slots = context.slots.long()
+        slots = context.slots if context.slots.dtype == torch.int64 else context.slots.long()
         for layer, cache in zip(self.layers, context.caches, strict=True):
             ctx_kv = cache.index_select(0, slots)
             x = layer(x, rope, flat_ids, ctx_kv, hidden_keys, num_requests)

@@ -52,6 +52,11 @@ def _check(base_logits: torch.Tensor, anchor: torch.Tensor, temperature) -> None
         raise ValueError(f"temperature must be None or a tensor of shape [R] with R={num_requests}")
 
 
+def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` on ``device`` as ``dtype``; no op at all when it already is (a step counts ops)."""
+    return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
+
+
 def markov_block_sample(
     base_logits: torch.Tensor,
     anchor: torch.Tensor,
@@ -81,24 +86,24 @@ def markov_block_sample(
         return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
     """
     _check(base_logits, anchor, temperature)
-    num_slots = base_logits.shape[1]
     device = base_logits.device
-    # fp32 once for the whole block; the loop keeps only the work slot k depends on.
-    base = base_logits.float()
+    # fp32 once for the whole block, one view per slot; the loop keeps only the work slot k
+    # depends on (``base[k] + bias`` adds in fp32: the bias is promoted exactly).
+    base = base_logits.float().unbind(1)
     if temperature is None:
         random_rows = None
     else:
-        temperature = temperature.to(device=device, dtype=torch.float32)
+        temperature = _as(temperature, device, torch.float32)
         random_rows = temperature > 0
         # Greedy rows keep T=1 so the division is harmless; their draw is the argmax.
         safe_t = torch.where(random_rows, temperature, torch.ones_like(temperature))
 
-    prev = anchor.to(device=device, dtype=torch.int64)
+    prev = _as(anchor, device, torch.int64)
     embeds, tokens, probs = [], [], []
-    for k in range(num_slots):
+    for k, base_k in enumerate(base):
         e_k = embed(prev)
         embeds.append(e_k)
-        z_k = base[:, k] + bias(e_k).float()
+        z_k = base_k + bias(e_k)
         greedy_tok = z_k.argmax(dim=-1)
         if random_rows is None:
             x_k = greedy_tok
