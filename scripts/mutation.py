@@ -93,10 +93,10 @@ def load_config(pyproject: Path = ROOT / "pyproject.toml") -> Config:
 
 
 def session_files(module: Module, config: Config) -> tuple[Path, Path, str]:
-    """(cosmic-ray config, session db, fingerprint of the source + configuration)."""
+    """(cosmic-ray config, session db, fingerprint of what makes the mutants and their results:
+    the source, the operators and pytest's arguments; the equivalent list is applied on top)."""
     source = (ROOT / module.path).read_bytes()
-    settings = json.dumps([config.operators.pattern, config.pytest_args, config.equivalent],
-                          sort_keys=True).encode()
+    settings = json.dumps([config.operators.pattern, config.pytest_args], sort_keys=True).encode()
     digest = hashlib.sha256(source + settings).hexdigest()
     folder = WORKDIR / module.name
     return folder / "cosmic-ray.toml", folder / "session.sqlite", digest
@@ -108,24 +108,39 @@ def mutant_line(source: str, operator: str, occurrence: int, line: int) -> str:
     return mutated.splitlines()[line - 1].strip() if mutated else ""
 
 
-def mark_skipped(db: WorkDB, config: Config, module: Module) -> None:
-    """Skip mutants of unselected operators, and the listed equivalent ones with their reason."""
+def skip_reason(config: Config, module: Module, source: str, m) -> str | None:
+    """Why a mutant is not scored (an unselected operator, or a listed equivalent), or None."""
+    if not config.operators.fullmatch(m.operator_name):
+        return NOT_SELECTED
+    line = m.start_pos[0]
+    text = source.splitlines()[line - 1].strip()
+    same_line = [eq for eq in config.equivalent if eq["module"] == module.name and eq["line"] == text]
+    if not same_line:
+        return None
+    mutant = mutant_line(source, m.operator_name, m.occurrence, line)
+    reasons = [eq["reason"] for eq in same_line if eq["mutant"] == mutant]
+    return "equivalent: " + reasons[0] if reasons else None
+
+
+def mark_skipped(session: Path, config: Config, module: Module) -> None:
+    """Skip mutants of unselected operators and the listed equivalent ones, with their reason;
+    follows edits of the equivalent list: a newly listed survivor is skipped, a mutant whose
+    entry was removed is pending again."""
     source = (ROOT / module.path).read_text()
-    lines = source.splitlines()
-    listed = [eq for eq in config.equivalent if eq["module"] == module.name]
-    for item in db.pending_work_items:
-        (m,) = item.mutations
-        line = m.start_pos[0]
-        if not config.operators.fullmatch(m.operator_name):
-            reason = NOT_SELECTED
-        else:
-            same_line = [eq for eq in listed if eq["line"] == lines[line - 1].strip()]
-            mutant = mutant_line(source, m.operator_name, m.occurrence, line) if same_line else ""
-            reasons = [eq["reason"] for eq in same_line if eq["mutant"] == mutant]
-            if not reasons:
-                continue
-            reason = "equivalent: " + reasons[0]
-        db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+    unlisted = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        done = [(item, result) for item, result in db.completed_work_items
+                if result.test_outcome == TestOutcome.SURVIVED
+                or (result.output or "").startswith("equivalent: ")]
+        for item in [*db.pending_work_items, *(item for item, _ in done)]:
+            reason = skip_reason(config, module, source, item.mutations[0])
+            if reason:
+                db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+        unlisted = [item.job_id for item, result in done
+                    if (result.output or "").startswith("equivalent: ")
+                    and not skip_reason(config, module, source, item.mutations[0])]
+    with sqlite3.connect(session) as db:
+        db.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in unlisted])
 
 
 def tests_digest(module: Module) -> str:
@@ -163,18 +178,15 @@ def prepare(module: Module, config: Config) -> Path:
     if session.exists() and stamp.exists() and stamp.read_text() == digest:
         if not tests_stamp.exists() or tests_stamp.read_text() != tests_digest(module):
             retest_survivors(session)
-            tests_stamp.write_text(tests_digest(module))
-        return session
-    cr_config.parent.mkdir(parents=True, exist_ok=True)
-    session.unlink(missing_ok=True)
-    test_command = pytest_command(module, config)
-    cr_config.write_text(toml.dumps({"cosmic-ray": {
-        "module-path": module.path, "timeout": config.max_timeout, "excluded-modules": [],
-        "test-command": test_command, "distributor": {"name": "local"},
-    }}))
-    subprocess.run([BIN / "cosmic-ray", "init", cr_config, session], cwd=ROOT, check=True)
-    with use_db(str(session), WorkDB.Mode.open) as db:
-        mark_skipped(db, config, module)
+    else:
+        cr_config.parent.mkdir(parents=True, exist_ok=True)
+        session.unlink(missing_ok=True)
+        cr_config.write_text(toml.dumps({"cosmic-ray": {  # cosmic-ray's own runner is not used
+            "module-path": module.path, "timeout": config.max_timeout, "excluded-modules": [],
+            "test-command": pytest_command(module, config), "distributor": {"name": "local"},
+        }}))
+        subprocess.run([BIN / "cosmic-ray", "init", cr_config, session], cwd=ROOT, check=True)
+    mark_skipped(session, config, module)
     stamp.write_text(digest)
     tests_stamp.write_text(tests_digest(module))
     return session

@@ -660,13 +660,15 @@ def test_plans_compare_by_identity():
     assert first == first and first != second and len({first, second}) == 2
 
 
-def test_empty_step_writes_nothing():
-    """A step with no requests (``query_start_loc = [0]``) plans and stores without error."""
+@pytest.mark.parametrize("qsl, slots", [([0], []), ([0, 0, 0], [2, 0])])
+def test_step_without_rows_writes_nothing(qsl, slots):
+    """No requests, or requests that all have zero rows (a uniform batch on the flat path):
+    the store plans and runs without error and leaves every cell as it was."""
     gen = torch.Generator().manual_seed(3)
     cache, cache_pos = make_cache(3, 4, 2, torch.float32, gen)
     want_c, want_p = cache.clone(), cache_pos.clone()
     empty = torch.zeros(0, dtype=torch.int64)
-    store(cache, cache_pos, torch.zeros(0, 2), empty, torch.tensor([0]), empty)
+    store(cache, cache_pos, torch.zeros(0, 2), empty, torch.tensor(qsl), torch.tensor(slots, dtype=torch.int64))
     assert torch.equal(cache, want_c) and torch.equal(cache_pos, want_p)
 
 

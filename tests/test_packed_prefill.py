@@ -350,6 +350,15 @@ PLAN_ERRORS = [
 ]  # fmt: skip
 
 
+def test_caps_are_inclusive():
+    """A one-token chunk under a one-token cap, and exactly 8192 tokens under the default cap
+    (DESIGN section 6: 1 <= N <= 8192), are planned."""
+    one = pp.plan_packed_prefill(torch.tensor([0, 1]), 1, max_tokens=1)
+    assert (one.num_tokens, one.num_padded) == (1, 1)
+    full = pp.plan_packed_prefill(torch.tensor([0, 4096, 8192]), 2)
+    assert (full.num_tokens, full.rows_per_rank) == (8192, 4096)
+
+
 def _plan2():
     return pp.plan_packed_prefill(torch.tensor([0, 3, 7]), 2)
 
