@@ -40,6 +40,7 @@ WORKDIR = ROOT / ".cache" / "mutation"
 BIN = Path(sys.executable).parent
 HELD_LOCKS: list = []
 NOT_SELECTED = "operator not selected in [tool.mutation].operators"
+TIMED_OUT = "timed out after"  # how a worker's output starts when it killed the tests
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,7 @@ def report(module: Module, session: Path) -> tuple[int, int]:
     """Print the module's score and survivors; return (killed, scored)."""
     lines = (ROOT / module.path).read_text().splitlines()
     killed = scored = pending = 0
-    equivalent, survivors, failed = [], [], []
+    equivalent, survivors, failed, timeouts = [], [], [], []
     with use_db(str(session), WorkDB.Mode.open) as db:
         pending = len(db.pending_work_items)
         for item, result in db.completed_work_items:
@@ -251,6 +252,8 @@ def report(module: Module, session: Path) -> tuple[int, int]:
                                            if d[:1] in "+-" and d[:3] not in ("+++", "---")))
             else:
                 killed += 1
+                if (result.output or "").startswith(TIMED_OUT):
+                    timeouts.append(f"{where}: {result.output.splitlines()[0]}")
     score = 100.0 * killed / scored if scored else 0.0
     print(f"{module.name}: {killed}/{scored} killed ({score:.1f}%), {len(equivalent)} equivalent"
           f" skipped, {pending} not run")
@@ -258,6 +261,8 @@ def report(module: Module, session: Path) -> tuple[int, int]:
         print(f"  equivalent {line}")
     for line in failed:
         print(f"  not scored (no test run) {line}")
+    for line in timeouts:  # killed, but a loaded machine can slow a survivor down this much
+        print(f"  killed by timeout {line}")
     for line in survivors:
         print(f"  SURVIVED {line}", end="")
     return killed, scored

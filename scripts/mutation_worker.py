@@ -44,7 +44,7 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
 ROOT = mutation.ROOT
 LOCAL_DIRS = (ROOT / "tests", ROOT / "scripts")
-KILLED_CODES = {1, 2}  # tests failed; collection failed (the mutant does not import)
+KILLED_CODES = {1, 2, 3}  # tests failed; collection failed (no import); pytest crashed on it
 OUTPUT_TAIL = 4000
 
 
@@ -267,7 +267,7 @@ def test_mutant(item, module: mutation.Module, config: mutation.Config, work: Pa
     diff = diff_of(module, original, mutated)
     if code is None:
         return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.KILLED,
-                          output=f"timed out after {timeout:.0f} s\n{output}", diff=diff)
+                          output=f"{mutation.TIMED_OUT} {timeout:.0f} s\n{output}", diff=diff)
     if code == 0:
         return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.SURVIVED,
                           output=output, diff=diff)
