@@ -11,6 +11,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -28,6 +29,7 @@ BOUNDS = [  # (key, lowest allowed, below it, highest allowed, above it)
     ("serving.gpu_memory_utilization", 0.05, 0.04, 1.0, 1.01),
     ("speculative.num_speculative_tokens", 1, 0, 16, 17),
     ("speculative.checkpoint_block_size", 1, 0, 16, 17),
+    ("demo.max_num_batched_tokens", 1, 0, 8192, 8193),
 ]
 
 
@@ -39,7 +41,7 @@ def problems_with(key: str, value) -> str:
     """Every problem validate() reports for spark-2x with ``key`` set to ``value``."""
     p = profile("spark-2x")
     section, leaf = key.split(".")
-    p[section][leaf] = value
+    p.setdefault(section, {})[leaf] = value  # spark-2x has no demo section
     try:
         recipe.validate(p)
     except recipe.RecipeError as err:
@@ -205,6 +207,15 @@ def test_python_range_min_above_max_is_refused(lo, hi, allowed):
     assert err.value.problems == ["python.min: must not be above python.max"]
 
 
+@pytest.mark.parametrize("key", ["min", "max"])
+def test_python_versions_must_be_3_dot_minor(key):
+    bad = pins()
+    bad["python"][key] = "3"
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate_pins(bad)
+    assert err.value.problems == [f"python.{key}: expected a '3.N' version, got '3'"]
+
+
 def test_setup_pins_are_checked_section_by_section():
     bad = pins()
     del bad["cpu"]["torch"]
@@ -242,7 +253,11 @@ def report_to_stdout(monkeypatch):
 
 @pytest.mark.parametrize(
     "flags, node_rank, mode, shown",
-    [([], "0", "host", "head"), ([], "1", "host", "worker"), (["--container"], "1", "container", "container")],
+    [
+        (["--nnodes", "3"], "0", "host", "head"),
+        (["--nnodes", "3"], "1", "host", "worker"),
+        (["--nnodes", "3", "--container"], "1", "container", "container"),
+    ],
 )
 def test_check_env_checks_the_mode_asked_for_and_names_the_role(
     monkeypatch, capsys, report_to_stdout, flags, node_rank, mode, shown
@@ -252,9 +267,18 @@ def test_check_env_checks_the_mode_asked_for_and_names_the_role(
     seen = []
     monkeypatch.setattr(node_env, "check", lambda env, m, n, report: seen.append((m, n)) or True)
     monkeypatch.setenv("NODE_RANK", node_rank)
-    assert recipe.main(["check-env", "--nnodes", "3", *flags]) == 0
+    assert recipe.main(["check-env", *flags]) == 0
     assert seen == [(mode, 3)]
     assert f"variables are well-formed ({shown})" in capsys.readouterr().out
+
+
+def test_check_env_defaults_to_the_two_spark_profile(monkeypatch, report_to_stdout):
+    from node import env as node_env
+
+    seen = []
+    monkeypatch.setattr(node_env, "check", lambda env, m, n, report: seen.append(n) or True)
+    assert recipe.main(["check-env"]) == 0
+    assert seen == [profile("spark-2x")["parallel"]["nnodes"]]
 
 
 def test_env_file_prints_exports_for_unset_keys_and_nothing_for_a_missing_file(
@@ -288,3 +312,20 @@ def test_audit_requires_the_saved_socket_list(capsys):
     with pytest.raises(SystemExit) as done:
         recipe.main(["audit", "spark-2x"])
     assert done.value.code == 2 and "required: --ss" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_trust_remote_code_flag_follows_the_profile(trusted):
+    p = profile("spark-2x")
+    p["model"]["trust_remote_code"] = trusted
+    assert ("--trust-remote-code" in recipe.serve_argv(p)) is trusted
+
+
+def test_a_yaml_name_is_a_path_even_before_it_exists(tmp_path):
+    """`validate elsewhere/x.yaml` must report that file missing, not look for a profile
+    named 'elsewhere/x.yaml.yaml'; a file that exists is a path whatever its suffix."""
+    assert recipe.profile_path("elsewhere/x.yaml") == Path("elsewhere/x.yaml")
+    other = tmp_path / "profile.txt"
+    other.write_text("{}")
+    assert recipe.profile_path(str(other)) == other
+    assert recipe.profile_path("spark-2x") == REPO / "recipe/profiles/spark-2x.yaml"
