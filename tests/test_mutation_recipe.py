@@ -329,3 +329,20 @@ def test_a_yaml_name_is_a_path_even_before_it_exists(tmp_path):
     other.write_text("{}")
     assert recipe.profile_path(str(other)) == other
     assert recipe.profile_path("spark-2x") == REPO / "recipe/profiles/spark-2x.yaml"
+
+
+def test_a_profile_that_is_not_a_mapping_is_named_profile():
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(["model", "serving"])
+    assert err.value.problems == ["profile: expected a mapping, got list"]
+
+
+@pytest.mark.parametrize("style, line", [("env", "GREETING='hello world'"), ("compose-env", "GREETING=hello world")])
+def test_env_render_quotes_for_shells_and_not_for_compose(tmp_path, capsys, style, line):
+    """A shell reads `KEY='a b'` as one word; compose's .env takes the rest of the line as is."""
+    p = profile("cpu-tiny")
+    p["env"] = {"GREETING": "hello world"}
+    path = tmp_path / "greeting.yaml"
+    path.write_text(yaml.safe_dump(p))
+    assert recipe.main(["render", str(path), "--as", style]) == 0
+    assert line in capsys.readouterr().out.splitlines()
