@@ -235,6 +235,22 @@ def record_tests(module: mutation.Module, config: mutation.Config, work: Path,
     return tests, wall
 
 
+def journal(work: Path) -> tuple[Path, Path]:
+    """(the original source, the mutant on disk) while a disk mutant is live."""
+    return work / "original.txt", work / "live-mutant.txt"
+
+
+def recover_interrupted(module: mutation.Module, work: Path) -> None:
+    """A worker killed outright (SIGKILL, power loss) leaves its mutant on disk: put the
+    original back, unless the file was edited since (then it is no longer the mutant)."""
+    original_copy, live = journal(work)
+    source = ROOT / module.path
+    if live.exists() and source.read_text() == live.read_text():
+        source.write_text(original_copy.read_text())
+        print(f"{module.name}: put {module.path} back after an interrupted run", flush=True)
+    live.unlink(missing_ok=True)
+
+
 def diff_of(module: mutation.Module, original: str, mutated: str) -> str:
     return "".join(difflib.unified_diff(original.splitlines(True), mutated.splitlines(True),
                                         module.path, module.path))
@@ -257,12 +273,16 @@ def test_mutant(item, module: mutation.Module, config: mutation.Config, work: Pa
         code = run_in_child(config.pytest_args + module.tests, [plugin], log, timeout,
                             env | {mutation_hook.ENV_MUTANT: str(mutant_file)}, mutated, targets)
     else:
+        original_copy, live = journal(work)
+        original_copy.write_text(original)
+        live.write_text(mutated)
         try:
             source_path.write_text(mutated)
             code = run_in_child(config.pytest_args + module.tests, [plugin], log, timeout, env,
                                 None, targets)
         finally:
             source_path.write_text(original)
+            live.unlink()
     output = log.read_text(errors="replace")[-OUTPUT_TAIL:]
     diff = diff_of(module, original, mutated)
     if code is None:
@@ -281,10 +301,11 @@ def test_mutant(item, module: mutation.Module, config: mutation.Config, work: Pa
 def run_module(module: mutation.Module, config: mutation.Config, limit: int | None) -> None:
     started = time.monotonic()
     mutation.hold_lock(module)
+    work = mutation.session_files(module, config)[1].parent / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    recover_interrupted(module, work)
     session = mutation.prepare(module, config)
     targets = target_paths(module)
-    work = session.parent / "work"
-    work.mkdir(exist_ok=True)
     os.chdir(ROOT)
     env = child_environment(work, targets)
     warm_up(module, targets)

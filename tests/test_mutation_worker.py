@@ -93,3 +93,16 @@ def test_warm_imports_never_name_the_module_or_local_files():
     assert "hypothesis" in ragged and not any(n.startswith("support") for n in ragged)
     recipe = mutation_worker.warm_names(config.modules["recipe"])
     assert "yaml" in recipe and "recipe" not in recipe and "conftest" not in recipe
+
+
+@pytest.mark.parametrize("edited_since", [False, True])
+def test_a_mutant_left_on_disk_by_a_killed_worker_is_put_back(tmp_path, edited_since):
+    source = tmp_path / "tool.py"
+    module = mutation.Module("tool", str(source), [])
+    original, live = mutation_worker.journal(tmp_path)
+    original.write_text("LIMIT = 64\n")
+    live.write_text("LIMIT = 65\n")
+    source.write_text("LIMIT = 66  # edited by hand\n" if edited_since else "LIMIT = 65\n")
+    mutation_worker.recover_interrupted(module, tmp_path)
+    assert source.read_text() == ("LIMIT = 66  # edited by hand\n" if edited_since else "LIMIT = 64\n")
+    assert not live.exists()
