@@ -346,3 +346,23 @@ def test_env_render_quotes_for_shells_and_not_for_compose(tmp_path, capsys, styl
     path.write_text(yaml.safe_dump(p))
     assert recipe.main(["render", str(path), "--as", style]) == 0
     assert line in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_prefix_caching_flag_follows_the_profile(cached):
+    p = profile("spark-2x")
+    p["serving"]["enable_prefix_caching"] = cached
+    argv = recipe.serve_argv(p)
+    assert ("--enable-prefix-caching" in argv, "--no-enable-prefix-caching" in argv) == (cached, not cached)
+
+
+@pytest.mark.parametrize("rank, allowed", [(-1, False), (0, True), (1, True), (2, False)])
+def test_node_rank_must_be_a_node_of_the_profile(rank, allowed):
+    p = profile("spark-2x")  # nnodes: 2
+    if allowed:
+        argv = recipe.serve_argv(p, node_rank=rank)
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        assert ("--headless" in argv) is (rank > 0)  # only the head serves the API
+        return
+    with pytest.raises(recipe.RecipeError, match=rf"--node-rank: {rank} not in \[0, 1\]"):
+        recipe.serve_argv(p, node_rank=rank)

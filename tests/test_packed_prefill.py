@@ -371,6 +371,13 @@ def test_ranks_past_the_last_token_own_no_real_rows(num_tokens, tp_size):
         assert pp.local_request_ids(plan, rank).tolist() == [0] * real + [-1] * (rows - real)
 
 
+def test_plans_compare_by_identity():
+    """A plan holds a tensor, which has no boolean equality: ``==`` is identity, so two plans
+    of the same chunk are different objects and comparing them never reaches the tensor."""
+    first, second = (pp.plan_packed_prefill(torch.tensor([0, 3, 7]), 2) for _ in range(2))
+    assert first == first and first != second and len({first, second}) == 2
+
+
 def test_group_without_initialized_distributed_names_the_cause():
     if torch.distributed.is_initialized():
         pytest.skip("this process has a default group: the check below cannot be reached")
