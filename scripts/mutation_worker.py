@@ -22,6 +22,7 @@ import argparse
 import ast
 import difflib
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -107,8 +108,10 @@ def warm_names(module: mutation.Module) -> list[str]:
 
 
 def warm_up(module: mutation.Module, targets: list[str]) -> None:
+    """The warm imports, and pytest's plugins (anyio's alone takes ~1 s to import)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for name in warm_names(module):
+    plugins = [ep.module for ep in importlib.metadata.entry_points(group="pytest11")]
+    for name in warm_names(module) + plugins:
         importlib.import_module(name)
     resolved = {os.path.realpath(p) for p in targets}
     for loaded in list(sys.modules.values()):
@@ -120,7 +123,7 @@ def warm_up(module: mutation.Module, targets: list[str]) -> None:
 
 def child_environment(work: Path, targets: list[str]) -> dict[str, str]:
     """PYTHONPATH with the hook's sitecustomize first; no bytecode written (a mutant's .pyc
-    must never outlive it)."""
+    must never outlive it: .pyc files are checked by size and mtime in whole seconds)."""
     site = work / "site"
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(mutation_hook.SITECUSTOMIZE)
@@ -132,7 +135,9 @@ def child_environment(work: Path, targets: list[str]) -> dict[str, str]:
 def run_in_child(pytest_args: list[str], plugins: list, log: Path, timeout: float,
                  env: dict[str, str], mutant: str | None, targets: list[str]) -> int | None:
     """pytest in a forked child (own process group, output to ``log``); its exit code, or
-    None when it ran past ``timeout`` and was killed."""
+    None when it ran past ``timeout`` and was killed. Bytecode is written only when ``env``
+    allows it (the run on the unchanged module: it leaves pytest's rewritten test modules
+    cached, which the mutant runs then read instead of rewriting them each time)."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -144,7 +149,7 @@ def run_in_child(pytest_args: list[str], plugins: list, log: Path, timeout: floa
             os.dup2(out, 1)
             os.dup2(out, 2)
             os.environ.update(env)
-            sys.dont_write_bytecode = True
+            sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
             if mutant is not None:
                 mutation_hook.install_mutant(mutation_hook.spellings(targets), mutant)
             if "torch" in sys.modules:
@@ -223,8 +228,9 @@ def record_tests(module: mutation.Module, config: mutation.Config, work: Path,
     out.unlink(missing_ok=True)
     started = time.monotonic()
     args = [a for a in config.pytest_args if a != "-x"] + module.tests
+    record_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
     code = run_in_child(args, [RecordLines(targets, lines_dir, out)], work / "record.log",
-                        config.max_timeout, env | {mutation_hook.ENV_LINES: str(lines_dir)},
+                        config.max_timeout, record_env | {mutation_hook.ENV_LINES: str(lines_dir)},
                         None, targets)
     wall = time.monotonic() - started
     if code != 0 or not out.exists():
