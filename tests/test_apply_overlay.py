@@ -532,3 +532,25 @@ def test_recovery_refuses_when_a_backup_is_not_upstream_and_changes_nothing(tmp_
     assert result.returncode == 2, result.stdout
     assert f"{REPLACED}: neither it nor its backup" in result.stderr, result.stderr
     assert tree_digest(upstream) == before
+
+
+def test_apply_and_update_say_which_they_did(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    v1, _ = make_overlay(tmp_path / "v1", upstream)
+    first = run_tool("--target", str(upstream), overlay=v1)
+    assert first.returncode == 0 and f"{upstream}: applied 3 entries" in first.stdout, first.stdout
+    (v1 / NEW).write_text("ANSWER = 43\n")  # a new overlay version: the next run updates
+    second = run_tool("--target", str(upstream), overlay=v1)
+    assert second.returncode == 0 and f"{upstream}: updated to 3 entries" in second.stdout, second.stdout
+    assert (upstream / NEW).read_text() == "ANSWER = 43\n"
+
+
+def test_byte_compile_with_another_interpreter_reports_its_error_as_text(tmp_path):
+    """--python compiles with that interpreter; its error reaches the user as lines of text."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def broken(:\n")
+    with pytest.raises(apply_overlay.Refused) as err:
+        apply_overlay.byte_compile([broken], str(VENV_PY))
+    message = str(err.value)
+    assert message.startswith("byte-compile failed: ") and "broken.py" in message
+    assert message.splitlines()[-1].startswith("SyntaxError"), message

@@ -71,6 +71,7 @@ def test_anchor_positions_follow_the_device_rejections_and_pads_are_zero():
         ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must be a host tensor \[R\+1\]"),
         ({"lengths": [3, 2], "drafts": [1]}, r"num_draft_tokens must have shape \[R\]"),
         ({"lengths": [6], "drafts": [K + 1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
+        ({"lengths": [6], "drafts": [-1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
         ({"lengths": [3], "drafts": [3]}, "keeps its anchor row"),
         ({"lengths": [3, 2], "prefilling": [True]}, r"prefilling must have shape \[R\]"),
         ({"lengths": [3], "temperature": [0.5, 1.0]}, r"temperature_cpu must have shape \[R\]"),
@@ -111,3 +112,13 @@ def test_plan_is_frozen_and_compares_by_identity():
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.num_sampled = 1
     assert first == first and first != second and len({first, second}) == 2
+
+
+@pytest.mark.parametrize("lengths, prefilling, packed", [
+    ([K + 1, K + 1], [False, False], False),  # R verify blocks of k + 1 rows: a decode step
+    ([K + 1, K + 2], [False, True], True),  # one row more than that: a prefill chunk is in it
+    ([K + 2], [True], True),
+])
+def test_a_step_with_more_rows_than_its_verify_blocks_carries_a_prefill_chunk(lengths, prefilling, packed):
+    p = plan(lengths, drafts=[0] * len(lengths), prefilling=prefilling)
+    assert (p.packed is not None) is packed
