@@ -188,7 +188,7 @@ def prepare(module: Module, config: Config) -> Path:
         }}))
         subprocess.run([BIN / "cosmic-ray", "init", cr_config, session], cwd=ROOT, check=True)
     with sqlite3.connect(session) as db:  # a run that scored nothing is tried again
-        db.execute("DELETE FROM work_results WHERE worker_outcome NOT IN ('normal', 'skipped')")
+        db.execute("DELETE FROM work_results WHERE worker_outcome NOT IN ('NORMAL', 'SKIPPED')")
     mark_skipped(session, config, module)
     stamp.write_text(digest)
     tests_stamp.write_text(tests_digest(module))
