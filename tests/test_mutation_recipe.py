@@ -366,3 +366,9 @@ def test_node_rank_must_be_a_node_of_the_profile(rank, allowed):
         return
     with pytest.raises(recipe.RecipeError, match=rf"--node-rank: {rank} not in \[0, 1\]"):
         recipe.serve_argv(p, node_rank=rank)
+
+
+def test_render_requires_a_launcher_style(capsys):
+    with pytest.raises(SystemExit) as done:
+        recipe.main(["render", "spark-2x"])
+    assert done.value.code == 2 and "required: --as" in capsys.readouterr().err
