@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import fcntl
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -20,6 +21,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -554,3 +556,30 @@ def test_byte_compile_with_another_interpreter_reports_its_error_as_text(tmp_pat
     message = str(err.value)
     assert message.startswith("byte-compile failed: ") and "broken.py" in message
     assert message.splitlines()[-1].startswith("SyntaxError"), message
+
+
+def test_python_flag_target_is_the_folder_that_holds_its_vllm():
+    """The interpreter running this test is the venv's: its vllm's parent folder is the target."""
+    expected = Path(importlib.util.find_spec("vllm").origin).parents[1]
+    assert apply_overlay.target_from_python(sys.executable) == expected
+
+
+def test_an_interpreter_that_fails_is_named_as_such():
+    with pytest.raises(apply_overlay.Refused, match=r"^--python /bin/false: cannot run it to locate vllm"):
+        apply_overlay.target_from_python("/bin/false")
+
+
+def test_refusals_quote_what_patch_and_the_digests_say(tmp_path):
+    """A patch that does not apply: patch's own report, line by line. A changed upstream
+    file: the first 12 hex digits of its digest (computed here) and of the manifest's."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    bad = f"--- a/{PATCHED}\n+++ b/{PATCHED}\n@@ -1,2 +1,3 @@\n not in envs.py\n+added\n nor this\n"
+    overlay, _ = make_overlay(tmp_path / "bad-patch", upstream, patch_text=bad)
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert "does not apply:\n1 out of 1 hunk FAILED\n" in result.stderr, result.stderr
+    overlay, _ = make_overlay(tmp_path / "good", upstream)
+    manifest_sha = sha(upstream / REPLACED)
+    rewrite(upstream / REPLACED, (upstream / REPLACED).read_text() + " ")
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert (f"{REPLACED}: sha256 {sha(upstream / REPLACED)[:12]}... != manifest "
+            f"{manifest_sha[:12]}...; this is not the pinned upstream file") in result.stderr
