@@ -583,3 +583,62 @@ def test_refusals_quote_what_patch_and_the_digests_say(tmp_path):
     result = run_tool("--target", str(upstream), overlay=overlay)
     assert (f"{REPLACED}: sha256 {sha(upstream / REPLACED)[:12]}... != manifest "
             f"{manifest_sha[:12]}...; this is not the pinned upstream file") in result.stderr
+
+
+@pytest.mark.parametrize(
+    "kill_at, link, done",
+    [
+        (f"wrote {JOURNAL}", False, 0),  # the plan is written, no file is touched yet
+        ("byte-compiled", False, 3),  # all three files are in place, the marker is not
+        ("byte-compiled", True, 3),
+    ],
+)
+def test_check_on_an_interrupted_apply_counts_the_files_done_and_gives_the_repair(
+    tmp_path, kill_at, link, done
+):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    flags = ["--link"] if link else []
+    killed = run_tool("--target", str(upstream), *flags, overlay=overlay, kill_at=kill_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    check = run_tool("--target", str(upstream), "--check", overlay=overlay)
+    assert check.returncode == INTERRUPTED["apply"]
+    assert f"interrupted apply ({done} of 3 files were done)" in check.stdout, check.stdout
+    repair = f"repair: {TOOL} --target {upstream}" + (" --link" if link else "")
+    assert check.stdout.rstrip().endswith(repair), check.stdout
+
+
+def test_recovery_is_reported_even_if_the_run_is_killed_afterwards(tmp_path):
+    """The recovery line is flushed at once: a later kill must not swallow it."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    assert run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled").returncode < 0
+    again = run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled")
+    assert again.returncode == -signal.SIGKILL
+    assert "recovered from an interrupted apply" in again.stdout, (again.stdout, again.stderr)
+
+
+def test_without_target_or_python_is_a_usage_error():
+    result = run_tool()
+    assert result.returncode == 2
+    assert "one of the arguments --target --python is required" in result.stderr
+
+
+def test_a_failed_first_apply_says_the_target_was_not_changed(tmp_path):
+    """Only an update that fails leaves the target rolled back to upstream; a first apply
+    that fails leaves it as it was, and says so."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    pristine = tree_digest(upstream)
+    overlay, _ = make_overlay(tmp_path / "v1", upstream, new_text="def broken(:\n")
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert result.returncode == 2 and "(the target was not changed)" in result.stderr
+    assert "rolled back" not in result.stderr and tree_digest(upstream) == pristine
+
+
+def test_a_replaced_file_missing_upstream_is_refused_by_name(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    (upstream / REPLACED).unlink()
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert result.returncode == 2, result.stderr
+    assert f"{REPLACED}: missing in the target; the manifest expects an upstream file" in result.stderr
