@@ -645,9 +645,9 @@ def test_a_replaced_file_missing_upstream_is_refused_by_name(tmp_path):
 
 
 def test_step_boundaries_are_numbered_from_one(tmp_path):
-    """DSPARK_OVERLAY_KILL_AT=1 stops an apply at its first boundary: the journal written."""
+    """DSPARK_OVERLAY_KILL_AT=1 stops an apply at its first boundary: the journal staged."""
     upstream = make_tiny_vllm(tmp_path / "upstream")
     overlay, _ = make_overlay(tmp_path / "v1", upstream)
     killed = run_tool("--target", str(upstream), overlay=overlay, kill_at=1)
     assert killed.returncode == -signal.SIGKILL
-    assert f"SIGKILL at step boundary 1 (wrote {JOURNAL})" in killed.stderr, killed.stderr
+    assert f"SIGKILL at step boundary 1 (staged {JOURNAL})" in killed.stderr, killed.stderr
