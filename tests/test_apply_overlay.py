@@ -651,3 +651,14 @@ def test_step_boundaries_are_numbered_from_one(tmp_path):
     killed = run_tool("--target", str(upstream), overlay=overlay, kill_at=1)
     assert killed.returncode == -signal.SIGKILL
     assert f"SIGKILL at step boundary 1 (staged {JOURNAL})" in killed.stderr, killed.stderr
+
+
+def test_check_without_a_marker_tells_a_hand_edited_upstream_file_from_pristine(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    pristine = run_tool("--target", str(upstream), "--check", overlay=overlay)
+    assert pristine.returncode == 1 and "not applied (target is the pristine upstream" in pristine.stdout
+    rewrite(upstream / REPLACED, (upstream / REPLACED).read_text() + "# edited by hand\n")
+    edited = run_tool("--target", str(upstream), "--check", overlay=overlay)
+    assert edited.returncode == 3, (edited.stdout, edited.stderr)
+    assert "drifted: no overlay marker, but overlay files differ from upstream" in edited.stdout
