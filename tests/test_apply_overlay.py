@@ -609,11 +609,15 @@ def test_check_on_an_interrupted_apply_counts_the_files_done_and_gives_the_repai
 
 
 def test_recovery_is_reported_even_if_the_run_is_killed_afterwards(tmp_path):
-    """The recovery line is flushed at once: a later kill must not swallow it."""
+    """The recovery line is flushed at once: a later kill must not swallow it (stdout is a
+    pipe here, block-buffered unless PYTHONUNBUFFERED is set, so it is unset)."""
     upstream = make_tiny_vllm(tmp_path / "upstream")
     overlay, _ = make_overlay(tmp_path / "v1", upstream)
     assert run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled").returncode < 0
-    again = run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env |= {"DSPARK_OVERLAY_DIR": str(overlay), "DSPARK_OVERLAY_KILL_AT": "byte-compiled"}
+    again = subprocess.run([str(TOOL), "--target", str(upstream)], capture_output=True, text=True,
+                           env=env)
     assert again.returncode == -signal.SIGKILL
     assert "recovered from an interrupted apply" in again.stdout, (again.stdout, again.stderr)
 
@@ -662,3 +666,17 @@ def test_check_without_a_marker_tells_a_hand_edited_upstream_file_from_pristine(
     edited = run_tool("--target", str(upstream), "--check", overlay=overlay)
     assert edited.returncode == 3, (edited.stdout, edited.stderr)
     assert "drifted: no overlay marker, but overlay files differ from upstream" in edited.stdout
+
+
+@pytest.mark.parametrize("journal", [{"op": "apply", "entries": "all"}, {"op": "merge", "entries": []}])
+def test_a_malformed_journal_is_refused_and_left_alone(tmp_path, journal):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    (upstream / JOURNAL).parent.mkdir(parents=True)
+    (upstream / JOURNAL).write_text(json.dumps(journal))
+    before = tree_digest(upstream)
+    for args in (["--check"], []):
+        result = run_tool("--target", str(upstream), *args, overlay=overlay)
+        assert result.returncode == 2, (result.stdout, result.stderr)
+        assert "journal.json: op must be one of apply, revert, update, with entries" in result.stderr
+        assert tree_digest(upstream) == before
