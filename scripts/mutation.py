@@ -68,6 +68,10 @@ class Config:
 def load_config(pyproject: Path = ROOT / "pyproject.toml") -> Config:
     """[tool.mutation] from pyproject.toml, every field checked."""
     section = tomllib.loads(pyproject.read_text())["tool"]["mutation"]
+    for key in ("timeout_factor", "min_timeout", "max_timeout"):
+        value = section.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"[tool.mutation].{key}: expected a number > 0, got {value!r}")
     modules = {}
     for name, spec in section["modules"].items():
         if not (ROOT / spec["path"]).is_file():
