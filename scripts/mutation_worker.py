@@ -311,6 +311,13 @@ def run_module(module: mutation.Module, config: mutation.Config, limit: int | No
     work.mkdir(parents=True, exist_ok=True)
     recover_interrupted(module, work)
     session = mutation.prepare(module, config)
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        first = mutation.run_order(session)
+        pending = sorted(db.pending_work_items,
+                         key=lambda item: (first.get(item.job_id, 1), item.job_id))[:limit]
+    if not pending:
+        print(f"{module.name}: nothing to run", flush=True)
+        return
     targets = target_paths(module)
     os.chdir(ROOT)
     env = child_environment(work, targets)
@@ -322,9 +329,6 @@ def run_module(module: mutation.Module, config: mutation.Config, limit: int | No
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` puts the file back
     done = 0
     with use_db(str(session), WorkDB.Mode.open) as db:
-        first = mutation.run_order(session)
-        pending = sorted(db.pending_work_items,
-                         key=lambda item: (first.get(item.job_id, 1), item.job_id))[:limit]
         mutants_started = time.monotonic()
         for number, item in enumerate(pending, 1):
             began = time.monotonic()
