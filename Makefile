@@ -72,8 +72,7 @@ test: setup $(TRITON_ORACLE)/.stamp ## set up, then run the whole test suite (CP
 test-fast: setup ## the suite without the real-vLLM end-to-end tests
 	$(PY) -m pytest -m "not e2e"
 
-mutation: $(STAMP_DEPS) ## mutation testing of the core modules (slow, not in `make test`): score per module, survivors; MODULES="a b" for some
-	scripts/apply_overlay.sh --python $(PY) --link && touch $(STAMP_OVERLAY)
+mutation: setup ## mutation testing of the core modules (~20 min, not in `make test`): score per module, survivors; MODULES="a b" for some
 	$(PY) scripts/mutation.py $(foreach m,$(MODULES),--module $(m))
 
 bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep and `vllm bench serve` on the same load

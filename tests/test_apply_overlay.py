@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import fcntl
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -20,6 +21,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -532,3 +534,149 @@ def test_recovery_refuses_when_a_backup_is_not_upstream_and_changes_nothing(tmp_
     assert result.returncode == 2, result.stdout
     assert f"{REPLACED}: neither it nor its backup" in result.stderr, result.stderr
     assert tree_digest(upstream) == before
+
+
+def test_apply_and_update_say_which_they_did(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    v1, _ = make_overlay(tmp_path / "v1", upstream)
+    first = run_tool("--target", str(upstream), overlay=v1)
+    assert first.returncode == 0 and f"{upstream}: applied 3 entries" in first.stdout, first.stdout
+    (v1 / NEW).write_text("ANSWER = 43\n")  # a new overlay version: the next run updates
+    second = run_tool("--target", str(upstream), overlay=v1)
+    assert second.returncode == 0 and f"{upstream}: updated to 3 entries" in second.stdout, second.stdout
+    assert (upstream / NEW).read_text() == "ANSWER = 43\n"
+
+
+def test_byte_compile_with_another_interpreter_reports_its_error_as_text(tmp_path):
+    """--python compiles with that interpreter; its error reaches the user as lines of text."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def broken(:\n")
+    with pytest.raises(apply_overlay.Refused) as err:
+        apply_overlay.byte_compile([broken], str(VENV_PY))
+    message = str(err.value)
+    assert message.startswith("byte-compile failed: ") and "broken.py" in message
+    assert message.splitlines()[-1].startswith("SyntaxError"), message
+
+
+def test_python_flag_target_is_the_folder_that_holds_its_vllm():
+    """The interpreter running this test is the venv's: its vllm's parent folder is the target."""
+    expected = Path(importlib.util.find_spec("vllm").origin).parents[1]
+    assert apply_overlay.target_from_python(sys.executable) == expected
+
+
+def test_an_interpreter_that_fails_is_named_as_such():
+    with pytest.raises(apply_overlay.Refused, match=r"^--python /bin/false: cannot run it to locate vllm"):
+        apply_overlay.target_from_python("/bin/false")
+
+
+def test_refusals_quote_what_patch_and_the_digests_say(tmp_path):
+    """A patch that does not apply: patch's own report, line by line. A changed upstream
+    file: the first 12 hex digits of its digest (computed here) and of the manifest's."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    bad = f"--- a/{PATCHED}\n+++ b/{PATCHED}\n@@ -1,2 +1,3 @@\n not in envs.py\n+added\n nor this\n"
+    overlay, _ = make_overlay(tmp_path / "bad-patch", upstream, patch_text=bad)
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert "does not apply:\n1 out of 1 hunk FAILED\n" in result.stderr, result.stderr
+    overlay, _ = make_overlay(tmp_path / "good", upstream)
+    manifest_sha = sha(upstream / REPLACED)
+    rewrite(upstream / REPLACED, (upstream / REPLACED).read_text() + " ")
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert (f"{REPLACED}: sha256 {sha(upstream / REPLACED)[:12]}... != manifest "
+            f"{manifest_sha[:12]}...; this is not the pinned upstream file") in result.stderr
+
+
+@pytest.mark.parametrize(
+    "kill_at, link, done",
+    [
+        (f"wrote {JOURNAL}", False, 0),  # the plan is written, no file is touched yet
+        ("byte-compiled", False, 3),  # all three files are in place, the marker is not
+        ("byte-compiled", True, 3),
+    ],
+)
+def test_check_on_an_interrupted_apply_counts_the_files_done_and_gives_the_repair(
+    tmp_path, kill_at, link, done
+):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    flags = ["--link"] if link else []
+    killed = run_tool("--target", str(upstream), *flags, overlay=overlay, kill_at=kill_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    check = run_tool("--target", str(upstream), "--check", overlay=overlay)
+    assert check.returncode == INTERRUPTED["apply"]
+    assert f"interrupted apply ({done} of 3 files were done)" in check.stdout, check.stdout
+    repair = f"repair: {TOOL} --target {upstream}" + (" --link" if link else "")
+    assert check.stdout.rstrip().endswith(repair), check.stdout
+
+
+def test_recovery_is_reported_even_if_the_run_is_killed_afterwards(tmp_path):
+    """The recovery line is flushed at once: a later kill must not swallow it (stdout is a
+    pipe here, block-buffered unless PYTHONUNBUFFERED is set, so it is unset)."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    assert run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled").returncode < 0
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env |= {"DSPARK_OVERLAY_DIR": str(overlay), "DSPARK_OVERLAY_KILL_AT": "byte-compiled"}
+    again = subprocess.run([str(TOOL), "--target", str(upstream)], capture_output=True, text=True,
+                           env=env)
+    assert again.returncode == -signal.SIGKILL
+    assert "recovered from an interrupted apply" in again.stdout, (again.stdout, again.stderr)
+
+
+def test_without_target_or_python_is_a_usage_error():
+    result = run_tool()
+    assert result.returncode == 2
+    assert "one of the arguments --target --python is required" in result.stderr
+
+
+def test_a_failed_first_apply_says_the_target_was_not_changed(tmp_path):
+    """Only an update that fails leaves the target rolled back to upstream; a first apply
+    that fails leaves it as it was, and says so."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    pristine = tree_digest(upstream)
+    overlay, _ = make_overlay(tmp_path / "v1", upstream, new_text="def broken(:\n")
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert result.returncode == 2 and "(the target was not changed)" in result.stderr
+    assert "rolled back" not in result.stderr and tree_digest(upstream) == pristine
+
+
+def test_a_replaced_file_missing_upstream_is_refused_by_name(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    (upstream / REPLACED).unlink()
+    result = run_tool("--target", str(upstream), overlay=overlay)
+    assert result.returncode == 2, result.stderr
+    assert f"{REPLACED}: missing in the target; the manifest expects an upstream file" in result.stderr
+
+
+def test_step_boundaries_are_numbered_from_one(tmp_path):
+    """DSPARK_OVERLAY_KILL_AT=1 stops an apply at its first boundary: the journal staged."""
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    killed = run_tool("--target", str(upstream), overlay=overlay, kill_at=1)
+    assert killed.returncode == -signal.SIGKILL
+    assert f"SIGKILL at step boundary 1 (staged {JOURNAL})" in killed.stderr, killed.stderr
+
+
+def test_check_without_a_marker_tells_a_hand_edited_upstream_file_from_pristine(tmp_path):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    pristine = run_tool("--target", str(upstream), "--check", overlay=overlay)
+    assert pristine.returncode == 1 and "not applied (target is the pristine upstream" in pristine.stdout
+    rewrite(upstream / REPLACED, (upstream / REPLACED).read_text() + "# edited by hand\n")
+    edited = run_tool("--target", str(upstream), "--check", overlay=overlay)
+    assert edited.returncode == 3, (edited.stdout, edited.stderr)
+    assert "drifted: no overlay marker, but overlay files differ from upstream" in edited.stdout
+
+
+@pytest.mark.parametrize("journal", [{"op": "apply", "entries": "all"}, {"op": "merge", "entries": []}])
+def test_a_malformed_journal_is_refused_and_left_alone(tmp_path, journal):
+    upstream = make_tiny_vllm(tmp_path / "upstream")
+    overlay, _ = make_overlay(tmp_path / "v1", upstream)
+    (upstream / JOURNAL).parent.mkdir(parents=True)
+    (upstream / JOURNAL).write_text(json.dumps(journal))
+    before = tree_digest(upstream)
+    for args in (["--check"], []):
+        result = run_tool("--target", str(upstream), *args, overlay=overlay)
+        assert result.returncode == 2, (result.stdout, result.stderr)
+        assert "journal.json: op must be one of apply, revert, update, with entries" in result.stderr
+        assert tree_digest(upstream) == before

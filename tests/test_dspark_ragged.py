@@ -538,8 +538,9 @@ def test_slot_table_full_and_bad_input():
     with pytest.raises(ValueError, match="distinct"):
         table.assign(["a", "a"])
     assert table.release(["never-seen"]) == []
-    with pytest.raises(ValueError, match="num_slots"):
-        dr.SlotTable(0)
+    for bad in (0, True, 2.0, "3"):  # a bool or float row count is refused, not truncated
+        with pytest.raises(ValueError, match=rf"^num_slots must be an int >= 1, got {bad!r}$"):
+            dr.SlotTable(bad)
 
 
 def test_clear_slots():
@@ -631,6 +632,44 @@ def test_decreasing_query_start_loc_names_both_entries():
     assert str(err.value).endswith(
         "request 2 has query_start_loc[2]=9, query_start_loc[3]=7"
     )
+
+
+@pytest.mark.parametrize(
+    "qsl, min_rows, first_bad",
+    [
+        ([0, 0, 4, 3], 0, 2),  # request 0 is empty (allowed: no minimum); request 2 goes backwards
+        ([0, 1, 1, 3], 1, 1),  # packed prefill: request 0 has exactly the minimum, 1 has none
+        ([0, 2, 3, 3, 3], 1, 2),  # two empty requests: the first one is named
+    ],
+)
+def test_bad_query_start_loc_names_the_first_request_below_the_minimum(qsl, min_rows, first_bad):
+    """The message names the first request with fewer than ``min_rows`` rows, read off the
+    list here, not a request that merely has exactly the minimum."""
+    with pytest.raises(ValueError) as err:
+        dr.host_layout(torch.tensor(qsl), min_rows=min_rows)
+    r = first_bad
+    assert str(err.value).endswith(
+        f"request {r} has query_start_loc[{r}]={qsl[r]}, query_start_loc[{r + 1}]={qsl[r + 1]}"
+    )
+
+
+def test_plans_compare_by_identity():
+    """Plans hold tensors, which have no boolean equality: ``==`` is identity (never a tensor
+    comparison), so two plans of the same step are different objects and can be compared."""
+    first, second = _plan([0, 3, 5]), _plan([0, 3, 5])
+    assert first == first and first != second and len({first, second}) == 2
+
+
+@pytest.mark.parametrize("qsl, slots", [([0], []), ([0, 0, 0], [2, 0])])
+def test_step_without_rows_writes_nothing(qsl, slots):
+    """No requests, or requests that all have zero rows (a uniform batch on the flat path):
+    the store plans and runs without error and leaves every cell as it was."""
+    gen = torch.Generator().manual_seed(3)
+    cache, cache_pos = make_cache(3, 4, 2, torch.float32, gen)
+    want_c, want_p = cache.clone(), cache_pos.clone()
+    empty = torch.zeros(0, dtype=torch.int64)
+    store(cache, cache_pos, torch.zeros(0, 2), empty, torch.tensor(qsl), torch.tensor(slots, dtype=torch.int64))
+    assert torch.equal(cache, want_c) and torch.equal(cache_pos, want_p)
 
 
 def test_single_row_slot_table_serves_one_request_at_a_time():

@@ -6,6 +6,8 @@ counts, prefill flags), not taken from the module.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
@@ -69,6 +71,7 @@ def test_anchor_positions_follow_the_device_rejections_and_pads_are_zero():
         ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must be a host tensor \[R\+1\]"),
         ({"lengths": [3, 2], "drafts": [1]}, r"num_draft_tokens must have shape \[R\]"),
         ({"lengths": [6], "drafts": [K + 1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
+        ({"lengths": [6], "drafts": [-1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
         ({"lengths": [3], "drafts": [3]}, "keeps its anchor row"),
         ({"lengths": [3, 2], "prefilling": [True]}, r"prefilling must have shape \[R\]"),
         ({"lengths": [3], "temperature": [0.5, 1.0]}, r"temperature_cpu must have shape \[R\]"),
@@ -79,3 +82,43 @@ def test_anchor_positions_follow_the_device_rejections_and_pads_are_zero():
 def test_bad_step_metadata_raises_before_any_device_work(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         plan(**kwargs)
+
+
+def test_largest_prefill_chunk_is_packed_and_one_rank_owns_it_by_default():
+    """N = 8192 is still a packed chunk (DESIGN section 6: 1 <= N <= 8192); without tp_size
+    the plan is for one GPU, whose single rank owns every row."""
+    p = plan([K + 1, 8192 - (K + 1)], drafts=[K, 0], prefilling=[False, True])
+    assert p.packed is not None and p.packed.num_tokens == 8192
+    assert (p.packed.tp_size, p.packed.rows_per_rank, p.packed.num_pad_rows) == (1, 8192, 0)
+
+
+def test_greedy_step_samples_nothing():
+    """No temperatures given: every request drafts greedily."""
+    assert plan([K + 1] * 2, drafts=[K, K]).num_sampled == 0
+    assert plan([K + 1] * 2, drafts=[K, K], temperature=[0.0, 0.0]).num_sampled == 0
+
+
+@pytest.mark.parametrize("qsl, got", [([0, 3], "<class 'list'>"), (torch.tensor([[0, 3]]), r"\(1, 2\)")])
+def test_query_start_loc_that_is_not_a_host_vector_names_what_it_got(qsl, got):
+    with pytest.raises(ValueError, match=rf"R=1, got {got}$"):
+        plan_step(qsl, [0], num_draft_tokens=None, prefilling=None, temperature_cpu=None,
+                  window=WINDOW, num_slots=SLOTS, num_spec_tokens=K, draft_sizes=[1])
+
+
+def test_plan_is_frozen_and_compares_by_identity():
+    """Built once on the host, replayed by the device work: no field changes after planning;
+    it holds tensors, so ``==`` is identity (never a tensor comparison)."""
+    first, second = plan([K + 1] * 2), plan([K + 1] * 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.num_sampled = 1
+    assert first == first and first != second and len({first, second}) == 2
+
+
+@pytest.mark.parametrize("lengths, prefilling, packed", [
+    ([K + 1, K + 1], [False, False], False),  # R verify blocks of k + 1 rows: a decode step
+    ([K + 1, K + 2], [False, True], True),  # one row more than that: a prefill chunk is in it
+    ([K + 2], [True], True),
+])
+def test_a_step_with_more_rows_than_its_verify_blocks_carries_a_prefill_chunk(lengths, prefilling, packed):
+    p = plan(lengths, drafts=[0] * len(lengths), prefilling=prefilling)
+    assert (p.packed is not None) is packed

@@ -54,3 +54,14 @@ def test_every_equivalent_entry_names_a_line_of_its_module():
         source = (mutation.ROOT / config.modules[eq["module"]].path).read_text()
         assert eq["line"] in {line.strip() for line in source.splitlines()}, eq
         assert eq["mutant"] != eq["line"], eq
+
+
+@pytest.mark.parametrize("key", ["timeout_factor", "min_timeout", "max_timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", '"5"', "true"])
+def test_timeouts_must_be_positive_numbers(tmp_path, key, value):
+    text = (mutation.ROOT / "pyproject.toml").read_text()
+    bad = tmp_path / "pyproject.toml"
+    line = next(line for line in text.splitlines() if line.startswith(f"{key} = "))
+    bad.write_text(text.replace(line, f"{key} = {value}", 1))
+    with pytest.raises(ValueError, match=rf"^\[tool\.mutation\]\.{key}: expected a number > 0, got "):
+        mutation.load_config(bad)

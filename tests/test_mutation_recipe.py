@@ -11,6 +11,7 @@ import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -28,6 +29,7 @@ BOUNDS = [  # (key, lowest allowed, below it, highest allowed, above it)
     ("serving.gpu_memory_utilization", 0.05, 0.04, 1.0, 1.01),
     ("speculative.num_speculative_tokens", 1, 0, 16, 17),
     ("speculative.checkpoint_block_size", 1, 0, 16, 17),
+    ("demo.max_num_batched_tokens", 1, 0, 8192, 8193),
 ]
 
 
@@ -39,7 +41,7 @@ def problems_with(key: str, value) -> str:
     """Every problem validate() reports for spark-2x with ``key`` set to ``value``."""
     p = profile("spark-2x")
     section, leaf = key.split(".")
-    p[section][leaf] = value
+    p.setdefault(section, {})[leaf] = value  # spark-2x has no demo section
     try:
         recipe.validate(p)
     except recipe.RecipeError as err:
@@ -153,3 +155,220 @@ def test_env_section_is_checked(env, message):
     assert message in str(err.value)
     p["env"] = {"NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": 4, "RATIO": 0.5}
     recipe.validate(p)
+
+
+def test_engine_args_pass_a_hub_revision_and_no_revision_for_a_local_checkpoint():
+    assert recipe.engine_args(profile("spark-2x"))["revision"] == "main"
+    assert "revision" not in recipe.engine_args(profile("cpu-tiny"))  # revision: local
+
+
+def test_missing_section_and_missing_leaf_say_what_was_expected():
+    p = profile("spark-2x")
+    del p["serving"]["port"]
+    del p["parallel"]
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(p)
+    assert "serving.port: missing; expected int in [1, 65535]" in err.value.problems
+    assert "parallel: missing; expected a mapping" in err.value.problems
+
+
+@pytest.mark.parametrize("k, max_num_seqs, allowed", [(3, 16, True), (4, 13, False), (2, 21, True)])
+def test_flashinfer_decode_row_limit_is_exactly_64(k, max_num_seqs, allowed):
+    """FlashInfer's sparse-MLA decode takes at most 64 rows per call: 16 x 4 = 64 and
+    21 x 3 = 63 pass, 13 x 5 = 65 does not."""
+    p = profile("spark-2x")
+    p["speculative"]["num_speculative_tokens"] = k
+    p["serving"]["max_num_seqs"] = max_num_seqs
+    problems = []
+    try:
+        recipe.validate(p)
+    except recipe.RecipeError as err:
+        problems = err.problems
+    refused = any("decode-row limit of 64" in line for line in problems)
+    assert refused is not allowed, problems
+
+
+def pins() -> dict:
+    return yaml.safe_load((REPO / "recipe/pins.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    "lo, hi, allowed",
+    [("3.11", "3.14", True), ("3.12", "3.12", True), ("3.12", "3.11", False), ("3.14", "3.9", False)],
+)
+def test_python_range_min_above_max_is_refused(lo, hi, allowed):
+    bad = pins()
+    bad["python"].update(min=lo, max=hi)
+    if allowed:
+        assert recipe.validate_pins(bad) is bad
+        return
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate_pins(bad)
+    assert err.value.problems == ["python.min: must not be above python.max"]
+
+
+@pytest.mark.parametrize("key", ["min", "max"])
+def test_python_versions_must_be_3_dot_minor(key):
+    bad = pins()
+    bad["python"][key] = "3"
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate_pins(bad)
+    assert err.value.problems == [f"python.{key}: expected a '3.N' version, got '3'"]
+
+
+def test_setup_pins_are_checked_section_by_section():
+    bad = pins()
+    del bad["cpu"]["torch"]
+    bad["python"]["tested"] = "3.11"
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate_pins(bad)
+    assert err.value.problems == [
+        "cpu.torch: missing; expected str",
+        "python.tested: expected list, got str '3.11'",
+    ]
+    del bad["python"]
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate_pins(bad)
+    assert "python: missing; expected a mapping" in err.value.problems
+
+
+def test_help_starts_with_what_the_tool_does(capsys):
+    with pytest.raises(SystemExit) as done:
+        recipe.main(["--help"])
+    assert done.value.code == 0
+    assert "The recipe tool: validate a serving profile and render it" in capsys.readouterr().out
+
+
+# The node subcommands (scripts/node/) as the recipe CLI dispatches them.
+
+
+@pytest.fixture
+def report_to_stdout(monkeypatch):
+    """Report's default stream is the sys.stdout of its import; print to the captured one."""
+    from node import report
+
+    real = report.Report
+    monkeypatch.setattr(report, "Report", lambda: real(sys.stdout))
+
+
+@pytest.mark.parametrize(
+    "flags, node_rank, mode, shown",
+    [
+        (["--nnodes", "3"], "0", "host", "head"),
+        (["--nnodes", "3"], "1", "host", "worker"),
+        (["--nnodes", "3", "--container"], "1", "container", "container"),
+    ],
+)
+def test_check_env_checks_the_mode_asked_for_and_names_the_role(
+    monkeypatch, capsys, report_to_stdout, flags, node_rank, mode, shown
+):
+    from node import env as node_env
+
+    seen = []
+    monkeypatch.setattr(node_env, "check", lambda env, m, n, report: seen.append((m, n)) or True)
+    monkeypatch.setenv("NODE_RANK", node_rank)
+    assert recipe.main(["check-env", *flags]) == 0
+    assert seen == [(mode, 3)]
+    assert f"variables are well-formed ({shown})" in capsys.readouterr().out
+
+
+def test_check_env_defaults_to_the_two_spark_profile(monkeypatch, report_to_stdout):
+    from node import env as node_env
+
+    seen = []
+    monkeypatch.setattr(node_env, "check", lambda env, m, n, report: seen.append(n) or True)
+    assert recipe.main(["check-env"]) == 0
+    assert seen == [profile("spark-2x")["parallel"]["nnodes"]]
+
+
+def test_env_file_prints_exports_for_unset_keys_and_nothing_for_a_missing_file(
+    monkeypatch, capsys, report_to_stdout, tmp_path
+):
+    env_file = tmp_path / "node.env"
+    env_file.write_text("NODE_RANK=1\nMASTER_ADDR='10.0.0.1'\n")
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.9.9.9")  # set here: the file does not override it
+    assert recipe.main(["env-file", str(env_file)]) == 0
+    assert capsys.readouterr().out == "export NODE_RANK=1\n"
+    assert recipe.main(["env-file", str(tmp_path / "nope.env")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL") and "nope.env not found" in out
+    assert not any(line.startswith("export ") for line in out.splitlines())
+
+
+def test_check_cache_defaults_to_the_image_user(monkeypatch, tmp_path):
+    """The default container uid is the one the Spark image runs as (docker/Dockerfile)."""
+    from node import cache as node_cache
+
+    user = next(line for line in (REPO / "docker/Dockerfile").read_text().splitlines()
+                if line.startswith("USER "))
+    seen = []
+    monkeypatch.setattr(node_cache, "check", lambda *a: seen.append(a))
+    assert recipe.main(["check-cache", "cpu-tiny", "--cache-dir", str(tmp_path)]) == 0
+    assert seen[0][4] == int(user.split()[1].split(":")[0])
+
+
+def test_audit_requires_the_saved_socket_list(capsys):
+    with pytest.raises(SystemExit) as done:
+        recipe.main(["audit", "spark-2x"])
+    assert done.value.code == 2 and "required: --ss" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_trust_remote_code_flag_follows_the_profile(trusted):
+    p = profile("spark-2x")
+    p["model"]["trust_remote_code"] = trusted
+    assert ("--trust-remote-code" in recipe.serve_argv(p)) is trusted
+
+
+def test_a_yaml_name_is_a_path_even_before_it_exists(tmp_path):
+    """`validate elsewhere/x.yaml` must report that file missing, not look for a profile
+    named 'elsewhere/x.yaml.yaml'; a file that exists is a path whatever its suffix."""
+    assert recipe.profile_path("elsewhere/x.yaml") == Path("elsewhere/x.yaml")
+    other = tmp_path / "profile.txt"
+    other.write_text("{}")
+    assert recipe.profile_path(str(other)) == other
+    assert recipe.profile_path("spark-2x") == REPO / "recipe/profiles/spark-2x.yaml"
+
+
+def test_a_profile_that_is_not_a_mapping_is_named_profile():
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(["model", "serving"])
+    assert err.value.problems == ["profile: expected a mapping, got list"]
+
+
+@pytest.mark.parametrize("style, line", [("env", "GREETING='hello world'"), ("compose-env", "GREETING=hello world")])
+def test_env_render_quotes_for_shells_and_not_for_compose(tmp_path, capsys, style, line):
+    """A shell reads `KEY='a b'` as one word; compose's .env takes the rest of the line as is."""
+    p = profile("cpu-tiny")
+    p["env"] = {"GREETING": "hello world"}
+    path = tmp_path / "greeting.yaml"
+    path.write_text(yaml.safe_dump(p))
+    assert recipe.main(["render", str(path), "--as", style]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_prefix_caching_flag_follows_the_profile(cached):
+    p = profile("spark-2x")
+    p["serving"]["enable_prefix_caching"] = cached
+    argv = recipe.serve_argv(p)
+    assert ("--enable-prefix-caching" in argv, "--no-enable-prefix-caching" in argv) == (cached, not cached)
+
+
+@pytest.mark.parametrize("rank, allowed", [(-1, False), (0, True), (1, True), (2, False)])
+def test_node_rank_must_be_a_node_of_the_profile(rank, allowed):
+    p = profile("spark-2x")  # nnodes: 2
+    if allowed:
+        argv = recipe.serve_argv(p, node_rank=rank)
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        assert ("--headless" in argv) is (rank > 0)  # only the head serves the API
+        return
+    with pytest.raises(recipe.RecipeError, match=rf"--node-rank: {rank} not in \[0, 1\]"):
+        recipe.serve_argv(p, node_rank=rank)
+
+
+def test_render_requires_a_launcher_style(capsys):
+    with pytest.raises(SystemExit) as done:
+        recipe.main(["render", "spark-2x"])
+    assert done.value.code == 2 and "required: --as" in capsys.readouterr().err

@@ -350,6 +350,41 @@ PLAN_ERRORS = [
 ]  # fmt: skip
 
 
+def test_caps_are_inclusive():
+    """A one-token chunk under a one-token cap, and exactly 8192 tokens under the default cap
+    (DESIGN section 6: 1 <= N <= 8192), are planned."""
+    one = pp.plan_packed_prefill(torch.tensor([0, 1]), 1, max_tokens=1)
+    assert (one.num_tokens, one.num_padded) == (1, 1)
+    full = pp.plan_packed_prefill(torch.tensor([0, 4096, 8192]), 2)
+    assert (full.num_tokens, full.rows_per_rank) == (8192, 4096)
+
+
+@pytest.mark.parametrize("num_tokens, tp_size", [(1, 4), (5, 8), (9, 2), (8, 4)])
+def test_ranks_past_the_last_token_own_no_real_rows(num_tokens, tp_size):
+    """Rank k owns packed rows [k*L, (k+1)*L); its real rows are those below N, counted row by
+    row here. A rank that starts past N (N=1 at TP=4) has none and only pad rows."""
+    plan = pp.plan_packed_prefill(torch.tensor([0, num_tokens]), tp_size)
+    rows = plan.rows_per_rank
+    for rank in range(tp_size):
+        real = sum(1 for row in range(rank * rows, (rank + 1) * rows) if row < num_tokens)
+        assert plan.rank_rows(rank) == (rank * rows, real)
+        assert pp.local_request_ids(plan, rank).tolist() == [0] * real + [-1] * (rows - real)
+
+
+def test_plans_compare_by_identity():
+    """A plan holds a tensor, which has no boolean equality: ``==`` is identity, so two plans
+    of the same chunk are different objects and comparing them never reaches the tensor."""
+    first, second = (pp.plan_packed_prefill(torch.tensor([0, 3, 7]), 2) for _ in range(2))
+    assert first == first and first != second and len({first, second}) == 2
+
+
+def test_group_without_initialized_distributed_names_the_cause(monkeypatch):
+    # Another test in this process may have initialised torch.distributed: pretend it has not.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match=r"^group was given but torch\.distributed is not initialized$"):
+        pp.plan_packed_prefill(torch.tensor([0, 3]), 1, group=object())
+
+
 def _plan2():
     return pp.plan_packed_prefill(torch.tensor([0, 3, 7]), 2)
 
