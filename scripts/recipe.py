@@ -96,7 +96,6 @@ class Field:
     choices: tuple | None = None
     lo: float | None = None
     hi: float | None = None
-    required: bool = True
 
     def allowed(self) -> str:
         if self.choices is not None:
