@@ -116,6 +116,8 @@ def test_greedy_probs_are_one_hot_of_the_reference_tokens():
         ((2, 3, 4), torch.tensor([0.0, 1.0]), None, "anchor must be an integer tensor"),
         ((2, 3, 4), torch.tensor([0, 1]), torch.ones(3), "temperature must be None or a tensor"),
         ((2, 3, 4), torch.tensor([0, 1]), [1.0, 1.0], "temperature must be None or a tensor"),
+        ((2, 3, 4), torch.tensor([0, 1], device="meta"), None, "anchor must be on base_logits'"),
+        ((2, 3, 4), torch.tensor([0, 1]), torch.ones(2, device="meta"), "temperature must be on"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(base_shape, anchor, temperature, match):
@@ -125,3 +127,30 @@ def test_bad_arguments_are_refused_by_name(base_shape, anchor, temperature, matc
             torch.zeros(base_shape), anchor, lambda i: w[i], lambda e: e @ w.t(),
             temperature=temperature,
         )
+
+
+def test_anchor_and_temperature_of_other_dtypes_draw_the_same_block():
+    """An int32 anchor and a float64 temperature act as int64 / float32 ones: same tokens, and
+    the probabilities stay float32 with T rounded to float32 (not float64 arithmetic)."""
+    gen = torch.Generator().manual_seed(8)
+    w1 = torch.randn(7, 3, generator=gen)
+    w2 = torch.randn(7, 3, generator=gen)
+    base = torch.randn(3, 4, 7, generator=gen)
+    anchor = torch.tensor([6, 0, 2])
+    temperature = torch.tensor([0.7, 0.0, 1.3])
+
+    def draw(a, t):
+        return markov_block_sample(
+            base, a, lambda i: w1[i], lambda e: e @ w2.t(), temperature=t,
+            generator=torch.Generator().manual_seed(3), return_probs=True,
+        )
+
+    want = draw(anchor, temperature)
+    got = draw(anchor.int(), temperature.double())
+    assert torch.equal(got.tokens, want.tokens)
+    assert got.probs.dtype == torch.float32
+    assert torch.equal(got.probs, want.probs)  # same inputs after the cast, same ops
+    ref_tokens, _ = _markov_reference(
+        base, anchor, w1, w2, temperature, torch.Generator().manual_seed(3)
+    )
+    assert torch.equal(got.tokens, ref_tokens)

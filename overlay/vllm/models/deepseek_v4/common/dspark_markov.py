@@ -50,11 +50,16 @@ def _check(base_logits: torch.Tensor, anchor: torch.Tensor, temperature) -> None
         not isinstance(temperature, torch.Tensor) or tuple(temperature.shape) != (num_requests,)
     ):
         raise ValueError(f"temperature must be None or a tensor of shape [R] with R={num_requests}")
+    for name, t in (("anchor", anchor), ("temperature", temperature)):
+        if t is not None and t.device != base_logits.device:
+            raise ValueError(
+                f"{name} must be on base_logits' device {base_logits.device}, got {t.device}"
+            )
 
 
-def _as(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` on ``device`` as ``dtype``; no op at all when it already is (a step counts ops)."""
-    return t if t.device == device and t.dtype == dtype else t.to(device=device, dtype=dtype)
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as ``dtype``; no op at all when it already is (a step counts its ops)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def markov_block_sample(
@@ -86,19 +91,18 @@ def markov_block_sample(
         return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
     """
     _check(base_logits, anchor, temperature)
-    device = base_logits.device
     # fp32 once for the whole block, one view per slot; the loop keeps only the work slot k
     # depends on (``base[k] + bias`` adds in fp32: the bias is promoted exactly).
     base = base_logits.float().unbind(1)
     if temperature is None:
         random_rows = None
     else:
-        temperature = _as(temperature, device, torch.float32)
+        temperature = _as(temperature, torch.float32)
         random_rows = temperature > 0
         # Greedy rows keep T=1 so the division is harmless; their draw is the argmax.
         safe_t = torch.where(random_rows, temperature, torch.ones_like(temperature))
 
-    prev = _as(anchor, device, torch.int64)
+    prev = _as(anchor, torch.int64)
     embeds, tokens, probs = [], [], []
     for k, base_k in enumerate(base):
         e_k = embed(prev)
