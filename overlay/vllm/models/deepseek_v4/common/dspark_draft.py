@@ -36,7 +36,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3_dspark import (
@@ -110,37 +110,66 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class RopeTables:
-    """GPT-J RoPE at T positions as pair tables over a whole head, built once per pass.
+    """GPT-J RoPE at some positions as pair tables over a whole head, for one pass.
 
-    ``cos`` and ``sin`` are fp32 ``[T, 1, D/2, 1|2]`` (one entry per dim pair, broadcast
-    over heads), ``sin`` signed ``(-s, s)`` (``sin_inverse``: ``(s, -s)``) so that a pair ``(x0, x1)`` becomes
-    ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE pairs (the first ``D - rope_dim`` dims)
-    have ``c = 1, s = 0`` and pass through unchanged, so one multiply-add covers the
-    head without slicing. Every draft layer shares one rotary (same config), so a block
-    (or a context chunk) builds its tables once and q, kv and the output de-rotation of
-    all layers reuse them. Same arithmetic as upstream's ``forward_native`` (fp32, then
-    cast), equal bit for bit on finite inputs.
+    For positions of shape ``P``: ``cos`` fp32 ``[*P, 1, D/2, 1]`` (one entry per dim
+    pair, broadcast over heads), ``sin`` ``[*P, 1, D/2, 2]`` signed ``(-s, s)`` and
+    ``sin_inverse`` ``(s, -s)``, so that a pair ``(x0, x1)`` becomes
+    ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE pairs (the first ``D - rope_dim``
+    dims) have ``c = 1, s = 0`` and pass through unchanged, so one multiply-add covers
+    the head without slicing. Every draft layer shares one rotary (same config), so a
+    block (or a context chunk) looks its tables up once and q, kv and the output
+    de-rotation of all layers reuse them. Same arithmetic as upstream's
+    ``forward_native`` (fp32 products and sum), equal bit for bit on finite inputs.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     sin_inverse: torch.Tensor
 
-    @classmethod
-    def at(cls, rotary_emb: nn.Module, positions: torch.Tensor, head_dim: int) -> RopeTables:
-        """Tables for ``positions [T]`` from the rotary's fp32 ``cos_sin_cache``."""
-        cos, sin = rotary_emb.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rope_dim/2]
-        pass_pairs = (head_dim - rotary_emb.rotary_dim) // 2
-        cos = torch.nn.functional.pad(cos, (pass_pairs, 0), value=1.0)
-        sin = torch.nn.functional.pad(sin, (pass_pairs, 0), value=0.0)
-        signed = torch.stack((-sin, sin), dim=-1)[:, None]
-        return cls(cos=cos[:, None, :, None], sin=signed, sin_inverse=signed.flip(-1))
+    def rotate(
+        self, x: torch.Tensor, inverse: bool = False, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``x [*P, heads, D]`` rotated (``inverse``: de-rotated, i.e. ``-s``).
 
-    def rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """``x [T, heads, D]`` rotated (``inverse``: de-rotated, i.e. ``-s``) in x's dtype."""
+        The result is in ``out_dtype`` (default: x's dtype); fp32 skips the final cast
+        for a caller that goes on in fp32.
+        """
         pairs = x.unflatten(-1, (-1, 2))
         swapped = pairs.flip(-1) * (self.sin_inverse if inverse else self.sin)
-        return (pairs * self.cos + swapped).flatten(-2).to(x.dtype)
+        rotated = (pairs * self.cos + swapped).flatten(-2)
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        return rotated if rotated.dtype == out_dtype else rotated.to(out_dtype)
+
+
+class DraftRope(nn.Module):
+    """The draft's RoPE pair tables at every position it serves, built once at load.
+
+    Rows are taken from the rotary's fp32 ``cos_sin_cache`` (upstream's values) for
+    positions ``[0, num_positions)``: the model's ``max_model_len`` (context positions
+    stay below it, block positions are clamped to it), not the rotary's full range.
+    Only the ``rope_dim / 2`` rotating pairs are stored (512 bytes per position); a
+    lookup pads the pass-through pairs, six ops per pass instead of building the tables
+    from the cache every time.
+    """
+
+    def __init__(self, rotary_emb: nn.Module, head_dim: int, num_positions: int) -> None:
+        super().__init__()
+        cos_sin = rotary_emb.cos_sin_cache[:num_positions].float()
+        cos, sin = cos_sin.chunk(2, dim=-1)  # [P, rope_dim / 2]
+        self.num_positions = cos_sin.shape[0]
+        self.pass_pairs = (head_dim - rotary_emb.rotary_dim) // 2
+        self.register_buffer("cos", cos[:, None, :, None].contiguous(), persistent=False)
+        # (-s, s, -s): [..., :2] is the signed sin, [..., 1:] its inverse.
+        sin3 = torch.stack((-sin, sin, -sin), dim=-1)[:, None].contiguous()
+        self.register_buffer("sin3", sin3, persistent=False)
+
+    def at(self, positions: torch.Tensor) -> RopeTables:
+        """Tables for ``positions`` (any shape, values in ``[0, num_positions)``)."""
+        pad = (0, 0, self.pass_pairs, 0)
+        cos = torch.nn.functional.pad(self.cos[positions], pad, value=1.0)
+        sin3 = torch.nn.functional.pad(self.sin3[positions], pad, value=0.0)
+        return RopeTables(cos=cos, sin=sin3[..., :2], sin_inverse=sin3[..., 1:])
 
 
 def block_hidden_keys(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
@@ -149,24 +178,45 @@ def block_hidden_keys(window_mask: torch.Tensor, block_len: int) -> torch.Tensor
     Keys are the W ring cells (``window_mask [R, W]`` True where valid) then the N block
     rows, which every block query attends (non-causal).
     """
-    num_requests = window_mask.shape[0]
-    block = window_mask.new_zeros((num_requests, block_len))
-    return torch.cat([~window_mask, block], dim=1).view(num_requests, 1, 1, -1)
+    hidden = torch.nn.functional.pad(~window_mask, (0, block_len), value=False)
+    return hidden.view(window_mask.shape[0], 1, 1, -1)
 
 
-def fp8_nope_roundtrip(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+_NOPE_BLOCK_MASKS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _nope_blocks(num_blocks: int, nope_blocks: int, device: torch.device) -> torch.Tensor:
+    """``[num_blocks, 1]`` bool, True for the FP8 blocks; one constant per device."""
+    key = (num_blocks, nope_blocks, device)
+    if key not in _NOPE_BLOCK_MASKS:
+        mask = torch.arange(num_blocks, device=device)[:, None] < nope_blocks
+        _NOPE_BLOCK_MASKS[key] = mask
+    return _NOPE_BLOCK_MASKS[key]
+
+
+def fp8_nope_roundtrip(
+    kv: torch.Tensor, rope_dim: int, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Quantise-dequantise the non-RoPE dims the way the fp8_ds_mla KV cache stores them.
 
     The target (and upstream's draft) keep the first ``head_dim - rope_dim`` dims of the
     latent KV as FP8 e4m3 with one power-of-two (UE8M0) scale per 64 dims and the RoPE
     dims in bf16. Applying the same round trip to the private draft ring keeps the
-    draft's attention inputs equal to what it was trained against.
+    draft's attention inputs equal to what it was trained against. ``kv`` may be fp32
+    (straight from RoPE): the FP8 dims are computed from it, the result (RoPE dims
+    included) is rounded once to ``out_dtype`` (default: kv's dtype). The whole head is
+    cut into 64-dim blocks and the RoPE blocks are taken back unchanged, which costs one
+    select instead of a slice and a concatenation.
     """
-    nope = kv.shape[-1] - rope_dim
-    if nope <= 0 or nope % QUANT_BLOCK:
-        return kv
-    head = roundtrip_blocks(kv[..., :nope].float().unflatten(-1, (-1, QUANT_BLOCK)))
-    return torch.cat([head.flatten(-2).to(kv.dtype), kv[..., nope:]], dim=-1)
+    out_dtype = kv.dtype if out_dtype is None else out_dtype
+    dim = kv.shape[-1]
+    nope = dim - rope_dim
+    if nope <= 0 or nope % QUANT_BLOCK or rope_dim % QUANT_BLOCK:
+        return kv if kv.dtype == out_dtype else kv.to(out_dtype)
+    blocks = kv.unflatten(-1, (-1, QUANT_BLOCK))
+    fp8 = _nope_blocks(dim // QUANT_BLOCK, nope // QUANT_BLOCK, kv.device)
+    restored = torch.where(fp8, roundtrip_blocks(blocks), blocks).flatten(-2)
+    return restored if restored.dtype == out_dtype else restored.to(out_dtype)
 
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,7 +234,9 @@ class DraftRMSNorm(RMSNorm):
 
     Where vLLM dispatches to its fused kernel nothing changes. Its eager path
     (``forward_native``: CPU, or a GPU without the custom op) is nine tensor ops;
-    ``unit_rms_norm`` then the weight in x's dtype is the same arithmetic in two.
+    torch's ``rms_norm`` with the weight is one. It applies the weight in fp32 and
+    rounds once, where vLLM's eager path rounds the normalised x to x's dtype first:
+    results agree to one rounding step of x's dtype (tested).
     """
 
     def forward_native(
@@ -196,7 +248,9 @@ class DraftRMSNorm(RMSNorm):
             return unit_rms_norm(x, self.variance_epsilon)
         if self.weight.dtype != x.dtype:
             return super().forward_native(x, residual)
-        return unit_rms_norm(x, self.variance_epsilon) * self.weight
+        return torch.nn.functional.rms_norm(
+            x, (x.shape[-1],), self.weight, self.variance_epsilon
+        )
 
 
 def _dense_weight(layer: nn.Module) -> torch.Tensor:
@@ -253,16 +307,25 @@ class DSparkDraftAttention(nn.Module):
                 prefix=f"{prefix}.{name}",
             )
 
-        self.wq_a = linear(s.hidden_size, s.q_lora_rank, "wq_a")
+        # wq_a and wkv read the same rows: one GEMM, as upstream's ``fused_wqa_wkv``.
+        self.fused_wqa_wkv = MergedColumnParallelLinear(
+            s.hidden_size,
+            [s.q_lora_rank, s.head_dim],
+            bias=False,
+            return_bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.fused_wqa_wkv",
+            disable_tp=True,
+        )
         self.q_norm = DraftRMSNorm(s.q_lora_rank, eps=s.rms_eps)
         self.wq_b = linear(s.q_lora_rank, s.num_heads * s.head_dim, "wq_b")
-        self.wkv = linear(s.hidden_size, s.head_dim, "wkv")
         self.kv_norm = DraftRMSNorm(s.head_dim, eps=s.rms_eps)
         self.heads_per_group = s.num_heads // s.o_groups
         self.wo_a = linear(self.heads_per_group * s.head_dim, s.o_groups * s.o_lora_rank, "wo_a")
         self.wo_b = linear(s.o_groups * s.o_lora_rank, s.hidden_size, "wo_b")
+        # Stored [1, 1, heads, 1], the shape it joins the scores in (loaded from [heads]).
         self.attn_sink = nn.Parameter(
-            torch.zeros(s.num_heads, dtype=torch.float32), requires_grad=False
+            torch.zeros(1, 1, s.num_heads, 1, dtype=torch.float32), requires_grad=False
         )
         # wo_a is applied per group ([G, o_lora, heads_per_group * head_dim]); the
         # dense copy is taken when weights are processed, before a platform GEMM
@@ -288,42 +351,41 @@ class DSparkDraftAttention(nn.Module):
     def wq_b_dtype(self) -> torch.dtype:
         return self.q_norm.weight.dtype
 
-    def project_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """Latent KV of rows ``x [T, H]`` before RoPE and the FP8 round trip: ``[T, D]``."""
-        return self.kv_norm(self.wkv(x))
-
     def forward(
         self,
         x: torch.Tensor,
         rope: RopeTables,
         ctx_kv: torch.Tensor,
         hidden_keys: torch.Tensor,
-        num_requests: int,
     ) -> torch.Tensor:
         """``x [R*N, H]`` block rows (request-major) -> attention output ``[R*N, H]``.
 
-        ``rope`` holds the block rows' RoPE tables, ``ctx_kv [R, W, D]`` the gathered ring
-        rows, ``hidden_keys [R, 1, 1, W+N]`` (``block_hidden_keys``) the keys a request's
-        queries must not attend: its context cells outside the valid window (the N block
-        keys are always attended).
+        ``rope`` holds the block's RoPE tables at positions ``[R, N]``, ``ctx_kv [R, W,
+        D]`` the gathered ring rows, ``hidden_keys [R, 1, 1, W+N]`` (``block_hidden_keys``)
+        the keys a request's queries must not attend: its context cells outside the valid
+        window (the N block keys are always attended).
         """
         s = self.shape
         rows = x.shape[0]
-        n = rows // num_requests
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(rows, s.num_heads, s.head_dim)
-        # q's heads and the row's latent KV share the row's RoPE: one rotation for both.
-        q_kv = torch.cat([unit_rms_norm(q, s.rms_eps), self.project_kv(x).unsqueeze(1)], dim=1)
-        q, block_kv = rope.rotate(q_kv).split([s.num_heads, 1], dim=1)
-        block_kv = fp8_nope_roundtrip(block_kv.view(num_requests, n, s.head_dim), s.rope_dim)
+        num_requests, n = rope.cos.shape[:2]
+        q_a, kv = self.fused_wqa_wkv(x).split([s.q_lora_rank, s.head_dim], dim=-1)
+        q = self.wq_b(self.q_norm(q_a)).view(num_requests, n, s.num_heads, s.head_dim)
+        kv = self.kv_norm(kv).view(num_requests, n, 1, s.head_dim)
+        # q's heads and the row's latent KV share the row's RoPE: one rotation for both,
+        # kept in fp32 for the FP8 round trip; q is rounded to bf16 as upstream's kernel
+        # takes it.
+        q_kv = rope.rotate(torch.cat([unit_rms_norm(q, s.rms_eps), kv], dim=2), out_dtype=torch.float32)
+        q, block_kv = q_kv.split([s.num_heads, 1], dim=2)
+        block_kv = fp8_nope_roundtrip(block_kv.squeeze(2), s.rope_dim, out_dtype=x.dtype)
 
         keys = torch.cat([ctx_kv, block_kv], dim=1).float()  # [R, W+N, D]
-        qf = q.view(num_requests, n, s.num_heads, s.head_dim).float()
+        qf = q.to(x.dtype).float()
         scores = torch.einsum("rnhd,rkd->rnhk", qf, keys) * self.scale
         scores = scores.masked_fill(hidden_keys, float("-inf"))
-        sink = self.attn_sink.view(1, 1, s.num_heads, 1).expand(num_requests, n, -1, 1)
+        sink = self.attn_sink.expand(num_requests, n, -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("rnhk,rkd->rnhd", probs, keys).to(x.dtype)
-        out = rope.rotate(out.reshape(rows, s.num_heads, s.head_dim), inverse=True)
+        out = rope.rotate(out, inverse=True)
 
         assert self._wo_a_grouped is not None, "wo_a weights were never processed"
         grouped = out.reshape(rows, s.o_groups, self.heads_per_group * s.head_dim)
@@ -384,11 +446,10 @@ class DSparkDraftLayer(nn.Module):
         input_ids: torch.Tensor,
         ctx_kv: torch.Tensor,
         hidden_keys: torch.Tensor,
-        num_requests: int,
     ) -> torch.Tensor:
         """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
         h, post, comb = self._mix(x, "attn")
-        h = self.attn(self.attn_norm(h), rope, ctx_kv, hidden_keys, num_requests)
+        h = self.attn(self.attn_norm(h), rope, ctx_kv, hidden_keys)
         x = self.mhc_post(h, x, post, comb)
         h, post, comb = self._mix(x, "ffn")
         h = self.ffn(self.ffn_norm(h), input_ids)
@@ -437,10 +498,24 @@ class DSparkDeepseekV4Draft(nn.Module):
             max_position_embeddings=s.max_position,
             compress_ratio=1,
         )
+        self.rope = DraftRope(
+            self.rotary_emb, s.head_dim, int(vllm_config.model_config.max_model_len)
+        )
         # Layer ids continue after the target's so registered names never collide.
         self.layers = nn.ModuleList(
             DSparkDraftLayer(vllm_config, s, prefix=f"{base}.layers.{s.num_target_layers + j}")
             for j in range(s.num_draft_layers)
+        )
+        # Every layer's wkv stacked for the context rows: one GEMM (upstream's
+        # ``context_wkv_proj``; loaded from each layer's ``attn.wkv``).
+        self.context_wkv_proj = MergedColumnParallelLinear(
+            s.hidden_size,
+            [s.head_dim] * s.num_draft_layers,
+            bias=False,
+            return_bias=False,
+            quant_config=quant_config,
+            prefix=f"{base}.context_wkv_proj",
+            disable_tp=True,
         )
         self.norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
         width = s.hc_mult * s.hidden_size
@@ -479,15 +554,20 @@ class DSparkDeepseekV4Draft(nn.Module):
 
     def context_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Context KV of every draft layer for rows ``main_x [T, H]``: ``[T, K, D]``."""
+        s = self.shape
         if main_x.shape[0] == 0:
-            return main_x.new_empty((0, len(self.layers), self.shape.head_dim))
-        kv = torch.stack([layer.attn.project_kv(main_x) for layer in self.layers], dim=1)
-        kv = self.rope_at(positions).rotate(kv)
-        return fp8_nope_roundtrip(kv, self.shape.rope_dim)
+            return main_x.new_empty((0, len(self.layers), s.head_dim))
+        per_layer = self.context_wkv_proj(main_x).view(-1, len(self.layers), s.head_dim)
+        kv = torch.stack(
+            [layer.attn.kv_norm(kv) for layer, kv in zip(self.layers, per_layer.unbind(1))],
+            dim=1,
+        )
+        kv = self.rope.at(positions).rotate(kv, out_dtype=torch.float32)
+        return fp8_nope_roundtrip(kv, s.rope_dim, out_dtype=main_x.dtype)
 
     def rope_at(self, positions: torch.Tensor) -> RopeTables:
-        """RoPE tables of every draft layer at ``positions [T]``."""
-        return RopeTables.at(self.rotary_emb, positions, self.shape.head_dim)
+        """RoPE tables of every draft layer at ``positions`` (any shape)."""
+        return self.rope.at(positions)
 
     def forward(
         self,
@@ -510,14 +590,14 @@ class DSparkDeepseekV4Draft(nn.Module):
                 f"got {tuple(context.mask.shape)}"
             )
         flat_ids = input_ids.reshape(-1)
-        rope = self.rope_at(positions.reshape(-1))
+        rope = self.rope.at(positions)
         hidden_keys = block_hidden_keys(context.mask, n)
         x = self.embed_tokens(flat_ids)
         x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
         slots = context.slots if context.slots.dtype == torch.int64 else context.slots.long()
         for layer, cache in zip(self.layers, context.caches, strict=True):
             ctx_kv = cache.index_select(0, slots)
-            x = layer(x, rope, flat_ids, ctx_kv, hidden_keys, num_requests)
+            x = layer(x, rope, flat_ids, ctx_kv, hidden_keys)
         h = self.hc_head(
             x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps
         )
@@ -537,7 +617,16 @@ class DSparkDeepseekV4Draft(nn.Module):
         return self.markov_head.embed(token_ids)
 
     def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
-        return self.markov_head.bias(markov_embed, self.logits_processor)
+        """``W2 e`` ``[B, V]``: the replicated Markov head's GEMM alone.
+
+        Upstream passes it through the logits processor, which adds nothing here (the
+        head is not TP-sharded, no scale or soft cap) but a slice; it is taken only
+        when the head's vocabulary is padded.
+        """
+        w2 = self.markov_head.markov_w2
+        bias = w2.quant_method.apply(w2, markov_embed)
+        vocab = self.shape.vocab_size
+        return bias if bias.shape[-1] == vocab else bias[..., :vocab]
 
     def compute_confidence(
         self, head_hidden: torch.Tensor, markov_embed: torch.Tensor
@@ -605,7 +694,13 @@ class DSparkDeepseekV4Draft(nn.Module):
             ckpt_up_proj_name="w3",
             num_experts=self.config.n_routed_experts,
         )
-        shared_shards = ((".shared_experts.w1.", 0), (".shared_experts.w3.", 1))
+        # (checkpoint needle, merged parameter, shard) of the weights loaded as shards.
+        stacked = (
+            (".shared_experts.w1.", ".shared_experts.gate_up_proj.", 0),
+            (".shared_experts.w3.", ".shared_experts.gate_up_proj.", 1),
+            (".attn.wq_a.", ".attn.fused_wqa_wkv.", 0),
+            (".attn.wkv.", ".attn.fused_wqa_wkv.", 1),
+        )
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         saw_confidence = False
@@ -637,12 +732,16 @@ class DSparkDeepseekV4Draft(nn.Module):
                 continue
             if ".shared_experts." in name:
                 tensor = self._pad_shared_expert(name, tensor)
-            for needle, shard in shared_shards:
+            for needle, merged, shard in stacked:
                 if needle in name:
-                    target = name.replace(needle, ".shared_experts.gate_up_proj.")
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard)
-                    loaded.add(target)
+                    targets = [(name.replace(needle, merged), shard)]
+                    if needle == ".attn.wkv.":  # also layer j's shard of the context GEMM
+                        layer = int(name.split(".")[1])
+                        targets.append((f"context_wkv_proj.{name.rsplit('.', 1)[1]}", layer))
+                    for target, target_shard in targets:
+                        param = params[target]
+                        param.weight_loader(param, tensor, target_shard)
+                        loaded.add(target)
                     break
             else:
                 if name not in params:
@@ -652,7 +751,8 @@ class DSparkDeepseekV4Draft(nn.Module):
                     )
                 param = params[name]
                 if name.endswith("attn.attn_sink"):
-                    param.data.copy_(tensor[: param.shape[0]].to(param.dtype))
+                    heads = param.numel()
+                    param.data.copy_(tensor[:heads].to(param.dtype).view(param.shape))
                 else:
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
