@@ -13,7 +13,7 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
     DraftContext,
     DraftRMSNorm,
-    block_hidden_keys,
+    block_key_bias,
     fp8_nope_roundtrip,
     unit_rms_norm,
 )
@@ -212,9 +212,9 @@ def test_block_attention_matches_loop_reference(draft_env):
     ctx_mask = torch.rand(num_requests, s.window, generator=gen) < 0.5
     ctx_mask[0] = False
     ctx_mask[0, :10] = True  # request 0 has only 10 context positions
-    hidden_keys = block_hidden_keys(ctx_mask, s.block_size)
+    key_bias = block_key_bias(ctx_mask, s.block_size)
     with torch.inference_mode():
-        got = attn(x, draft.rope_at(positions.view(num_requests, n)), ctx, hidden_keys)
+        got = attn(x, draft.rope_at(positions.view(num_requests, n)), ctx, key_bias)
         want = _reference_attention(
             attn, draft.rotary_emb, x, positions, ctx, ctx_mask, num_requests
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
@@ -68,7 +69,7 @@ def test_anchor_positions_follow_the_device_rejections_and_pads_are_zero():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must be a host tensor \[R\+1\]"),
+        ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must be a host tensor or numpy array \[R\+1\]"),
         ({"lengths": [3, 2], "drafts": [1]}, r"num_draft_tokens must have shape \[R\]"),
         ({"lengths": [6], "drafts": [K + 1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
         ({"lengths": [6], "drafts": [-1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
@@ -98,7 +99,15 @@ def test_greedy_step_samples_nothing():
     assert plan([K + 1] * 2, drafts=[K, K], temperature=[0.0, 0.0]).num_sampled == 0
 
 
-@pytest.mark.parametrize("qsl, got", [([0, 3], "<class 'list'>"), (torch.tensor([[0, 3]]), r"\(1, 2\)")])
+@pytest.mark.parametrize(
+    "qsl, got",
+    [
+        ([0, 3], "list"),
+        (torch.tensor([[0, 3]]), r"shape \(1, 2\) on cpu"),
+        (np.array([[0, 3]]), r"shape \(1, 2\) on cpu"),
+        (torch.tensor([0, 3], device="meta"), r"shape \(2,\) on meta"),
+    ],
+)
 def test_query_start_loc_that_is_not_a_host_vector_names_what_it_got(qsl, got):
     with pytest.raises(ValueError, match=rf"R=1, got {got}$"):
         plan_step(qsl, [0], num_draft_tokens=None, prefilling=None, temperature_cpu=None,

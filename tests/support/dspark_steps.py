@@ -60,7 +60,7 @@ def _record(drafter, kw, drafts, input_ids) -> DSparkStepRecord:
     from vllm.forward_context import set_forward_context
     from vllm.v1.spec_decode.dspark_ragged import window_mask
 
-    qsl = kw["query_start_loc_cpu"].long()
+    qsl = torch.as_tensor(kw["query_start_loc_cpu"]).long()
     num_rows = int(qsl[-1])
     req_ids = list(kw["req_ids"])
     slots = torch.tensor([drafter.slot_table.slot_of(r) for r in req_ids], dtype=torch.int64)

@@ -47,13 +47,14 @@ from vllm.models.deepseek_v4.common.dspark_draft import (
     draft_noise_token_id,
     load_dspark_draft,
 )
-from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
+from vllm.models.deepseek_v4.common.dspark_markov import MarkovDraft, markov_block_sample
 from vllm.models.deepseek_v4.common.dspark_seeded_noise import RequestSeeds, keyed_race_noise
 from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark_ragged import (
     SlotTable,
     allocate_rings,
     clear_slots,
+    last_accepted,
     store_context_kv,
     window_mask,
 )
@@ -138,8 +139,11 @@ class DSparkProposer:
         self._layer_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
         # (head hidden, Markov embeds) of the last block's real rows: its confidence is
         # computed only when read (fixed-length verify does not use it).
-        self._confidence_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Rows of it that are requests (the rest pad the block to a draft size).
+        self._confidence_inputs: tuple[torch.Tensor, MarkovDraft] | None = None
+        self._confidence_rows = 0
         self._last_probs: torch.Tensor | None = None
+        self._block_offsets: torch.Tensor | None = None  # arange(N) on the device, made once
         # The one test hook (None in production): replaces the drafts of a step.
         # ``draft_override(req_ids=, anchor_positions=, anchor_tokens=, drafts=)`` gets
         # [R] tensors and the [R, k] drafts, returns replacement drafts or None.
@@ -151,8 +155,10 @@ class DSparkProposer:
         """``[R, N]`` confidence of the last block's drafts (None without a confidence head)."""
         if self._confidence_inputs is None or self.model is None:
             return None
+        head, markov = self._confidence_inputs
+        rows = self._confidence_rows
         with torch.inference_mode():
-            return self.model.compute_confidence(*self._confidence_inputs)
+            return self.model.compute_confidence(head[:rows], markov.embeds[:rows])
 
     @property
     def counters(self) -> DSparkCounters:
@@ -198,6 +204,7 @@ class DSparkProposer:
         )
         stacked = self.kv_cache.view(-1, self.window, self.num_layers, self.head_dim)
         self._layer_caches = list(stacked.unbind(2))
+        self._block_offsets = torch.arange(self.num_speculative_tokens, device=self.device)
 
     def layer_caches(self) -> list[torch.Tensor]:
         """Per-layer views ``[S+1, W, D]`` of the stacked ring (made once, when allocated)."""
@@ -285,8 +292,9 @@ class DSparkProposer:
         num_rows, num_reqs = plan.num_rows, plan.num_requests
         positions, aux_hidden_states = _first_rows(num_rows, positions, aux_hidden_states)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
-            self._ingest(plan, positions, aux_hidden_states, num_rejected)
-            anchor_pos = draft_anchor_positions(plan, positions, num_rejected)
+            accepted = last_accepted(plan.store, positions, num_rejected)
+            self._ingest(plan, positions, aux_hidden_states, num_rejected, accepted)
+            anchor_pos = draft_anchor_positions(plan, positions, num_rejected, accepted)
             if next_token_ids.dtype != torch.int64:
                 next_token_ids = next_token_ids.long()
             anchors = torch.nn.functional.pad(
@@ -300,12 +308,10 @@ class DSparkProposer:
             else:
                 temperature = None
             tokens = self.draft_block(plan.draft_slots, anchors, anchor_pos, temperature, noise)
-        drafts = tokens[:num_reqs, : self.num_speculative_tokens]
+        drafts = tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
         if self._last_probs is not None:
             self._last_probs = self._last_probs[:num_reqs]
-        if self._confidence_inputs is not None:
-            head, embeds = self._confidence_inputs
-            self._confidence_inputs = (head[:num_reqs], embeds[:num_reqs])
+        self._confidence_rows = num_reqs
         if self.draft_override is not None:
             replaced = self.draft_override(
                 req_ids=req_ids,
@@ -339,14 +345,18 @@ class DSparkProposer:
             device=self.device,
         )
 
-    def _project(self, aux: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``aux [T, m*H]`` -> context KV of all draft layers, ``[T, K * D]``."""
+    def _project(self, aux: torch.Tensor, positions: torch.Tensor, row_shape=(-1,)):
+        """``aux [T, m*H]`` -> context KV of all draft layers, ``[T, *row_shape]``.
+
+        The default row shape is the stacked ring's ``K * D``; packed prefill asks for
+        ``(1, -1)``, one stacked "layer".
+        """
         model = self.model
         main_x = model.combine_hidden_states(aux if aux.dtype == self.dtype else aux.to(self.dtype))
         kv = model.context_kv(main_x, positions)
-        return kv.reshape(kv.shape[0], self.num_layers * self.head_dim)
+        return kv.reshape(kv.shape[0], *row_shape)
 
-    def _ingest(self, plan: StepPlan, positions, aux, num_rejected) -> None:
+    def _ingest(self, plan: StepPlan, positions, aux, num_rejected, accepted) -> None:
         """Store the step's accepted rows in the rings (packed prefill for big chunks)."""
         if plan.num_rows == 0:
             return
@@ -356,14 +366,17 @@ class DSparkProposer:
                 plan.store,
                 aux,
                 positions,
-                lambda x, pos: self._project(x, pos)[:, None],
+                lambda x, pos: self._project(x, pos, (1, -1)),
                 [(self.kv_cache, self.kv_pos)],
                 max_model_len=max(self.max_model_len, self.max_position),
                 num_rejected=num_rejected,
+                accepted=accepted,
             )
         else:
             kv = self._project(aux, positions)
-            store_context_kv(self.kv_cache, self.kv_pos, kv, positions, plan.store, num_rejected)
+            store_context_kv(
+                self.kv_cache, self.kv_pos, kv, positions, plan.store, num_rejected, accepted
+            )
 
     def _tp_rank_group(self):
         if self.tp_size == 1:
@@ -391,9 +404,8 @@ class DSparkProposer:
         (probabilistic drafting) and the confidence of the block.
         """
         model, n = self.model, self.num_speculative_tokens
-        noise = anchors.new_full((anchors.shape[0], n - 1), self.noise_token_id)
-        ids = torch.cat([anchors.unsqueeze(1), noise], dim=1)
-        pos = draft_block_positions(anchor_pos, n, self.max_model_len)
+        ids = torch.nn.functional.pad(anchors[:, None], (0, n - 1), value=self.noise_token_id)
+        pos = draft_block_positions(anchor_pos, n, self.max_model_len, self._block_offsets)
         mask = window_mask(self.kv_pos, slots, anchor_pos, self.window)
         head = model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
         out = markov_block_sample(
@@ -405,7 +417,7 @@ class DSparkProposer:
             race_noise=race_noise,
             return_probs=self.probabilistic,
         )
-        self._confidence_inputs = (head, out.embeds)
+        self._confidence_inputs, self._confidence_rows = (head, out), anchors.shape[0]
         self._last_probs = out.probs
         return out.tokens
 

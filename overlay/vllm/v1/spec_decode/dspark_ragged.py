@@ -26,18 +26,21 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 __all__ = [
     "EMPTY_POS",
+    "AcceptedRows",
     "SlotTable",
     "SlotTableFullError",
     "StorePlan",
     "allocate_rings",
     "clear_slots",
     "host_layout",
+    "last_accepted",
     "plan_store",
     "ship",
     "store_context_kv",
@@ -70,7 +73,7 @@ def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str,
     host = torch.from_numpy(packed)
     if device.type == "cuda":
         host = host.pin_memory()
-    on_device = host.to(device, non_blocking=True)
+    on_device = host if device.type == "cpu" else host.to(device, non_blocking=True)
     return dict(zip(arrays, on_device.split(sizes), strict=True))
 
 
@@ -245,6 +248,21 @@ def _ragged_candidates(plan: StorePlan, positions, acc_end, last_pos):
     return plan.cand_rows, ring, pos
 
 
+class AcceptedRows(NamedTuple):
+    """Per request: one past its last accepted packed row, and that row's position."""
+
+    end: torch.Tensor  # [R] qsl[r+1] - num_rejected[r]
+    last_pos: torch.Tensor  # [R] position of row end - 1 (row 0 for an empty segment)
+
+
+def last_accepted(
+    plan: StorePlan, positions: torch.Tensor, num_rejected: torch.Tensor | None = None
+) -> AcceptedRows:
+    """Where each request's accepted rows end: the store and the draft anchors both need it."""
+    end = plan.seg_end if num_rejected is None else plan.seg_end - num_rejected
+    return AcceptedRows(end, positions.index_select(0, (end - 1).clamp_(min=0)))
+
+
 def store_context_kv(
     cache: torch.Tensor,
     cache_pos: torch.Tensor,
@@ -252,6 +270,7 @@ def store_context_kv(
     positions: torch.Tensor,
     plan: StorePlan,
     num_rejected: torch.Tensor | None = None,
+    accepted: AcceptedRows | None = None,
 ) -> None:
     """Write one step's accepted context rows into each request's KV ring, in place.
 
@@ -264,12 +283,14 @@ def store_context_kv(
     ``positions [T]`` int64 strictly increasing within a request, ``num_rejected [R]``
     on the device, ``num_rejected[r] <= max_rejected[r]`` of the plan. Uniform steps take
     the flat ``[R, L]`` path, ragged ones the plan's candidate list; both end in the same
-    scatter. No host read; the shapes depend on the plan only.
+    scatter. No host read; the shapes depend on the plan only. ``accepted`` is
+    :func:`last_accepted` of the same step when the caller already has it.
     """
     if plan.num_candidates == 0:
         return
-    acc_end = plan.seg_end if num_rejected is None else plan.seg_end - num_rejected
-    last_pos = positions.index_select(0, (acc_end - 1).clamp_(min=0))
+    if accepted is None:
+        accepted = last_accepted(plan, positions, num_rejected)
+    acc_end, last_pos = accepted
     candidates = _flat_candidates if plan.uniform else _ragged_candidates
     rows, ring, pos = candidates(plan, positions, acc_end, last_pos)
     # Kept (ring row, pos % W) pairs are unique, so the live writes are deterministic.

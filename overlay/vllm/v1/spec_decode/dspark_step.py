@@ -24,7 +24,7 @@ from ...models.deepseek_v4.common.packed_prefill import (
     PackedPrefill,
     plan_packed_prefill,
 )
-from .dspark_ragged import StorePlan, ship, store_plan_arrays
+from .dspark_ragged import AcceptedRows, StorePlan, last_accepted, ship, store_plan_arrays
 
 __all__ = ["StepPlan", "capture_sizes", "draft_anchor_positions", "plan_step"]
 
@@ -60,7 +60,7 @@ class StepPlan:
 
 
 def plan_step(
-    query_start_loc_cpu: torch.Tensor,
+    query_start_loc_cpu: torch.Tensor | np.ndarray,
     slots: Sequence[int],
     *,
     num_draft_tokens: Sequence[int] | np.ndarray | None,
@@ -81,13 +81,21 @@ def plan_step(
     of its rows can be rejected; a request in chunked prefill (``prefilling[r]``)
     rejects none. Every request keeps at least one row (its anchor).
     """
-    # One host read: the step's layout. Everything else is host Python/numpy already.
-    qsl = query_start_loc_cpu.numpy() if isinstance(query_start_loc_cpu, torch.Tensor) else None
+    # One host read: the step's layout (none when the runner hands its numpy view).
     num_requests = len(slots)
-    if qsl is None or qsl.shape != (num_requests + 1,):
-        got = tuple(query_start_loc_cpu.shape) if qsl is not None else type(query_start_loc_cpu)
+    qsl = query_start_loc_cpu
+    if isinstance(qsl, torch.Tensor) and qsl.device.type == "cpu":
+        qsl = qsl.numpy()
+    if not isinstance(qsl, np.ndarray) or qsl.shape != (num_requests + 1,):
+        got = query_start_loc_cpu
+        got = (
+            f"shape {tuple(got.shape)} on {getattr(got, 'device', 'cpu')}"
+            if hasattr(got, "shape")
+            else type(got).__name__
+        )
         raise ValueError(
-            f"query_start_loc_cpu must be a host tensor [R+1] with R={num_requests}, got {got}"
+            f"query_start_loc_cpu must be a host tensor or numpy array [R+1] with "
+            f"R={num_requests}, got {got}"
         )
     discard = _flags("prefilling", prefilling, num_requests)
     drafts = _flags("num_draft_tokens", num_draft_tokens, num_requests, np.int64)
@@ -109,7 +117,7 @@ def plan_step(
     packed = None
     if num_requests * (num_spec_tokens + 1) < store["num_rows"] <= MAX_PACKED_TOKENS:
         # A prefill chunk is in this step: packed multi-request prefill.
-        packed = plan_packed_prefill(query_start_loc_cpu, tp_size, rank=rank, group=group)
+        packed = plan_packed_prefill(qsl, tp_size, rank=rank, group=group)
     num_sampled = 0
     if temperature_cpu is not None:
         temperature = np.asarray(temperature_cpu)
@@ -143,13 +151,18 @@ def _flags(name: str, values, num_requests: int, dtype=bool) -> np.ndarray:
 
 
 def draft_anchor_positions(
-    plan: StepPlan, positions: torch.Tensor, num_rejected: torch.Tensor
+    plan: StepPlan,
+    positions: torch.Tensor,
+    num_rejected: torch.Tensor,
+    accepted: AcceptedRows | None = None,
 ) -> torch.Tensor:
     """``[draft_rows]`` position after each request's last accepted row; 0 for pad rows.
 
     The draft block of request ``r`` starts there; an anchor of 0 attends no context,
     so pad rows read nothing live. Device work on the plan's tensors, no host read.
+    ``accepted``: :func:`last_accepted` of this step, when the caller already has it.
     """
-    rows = plan.store.seg_end - 1 - num_rejected
-    anchor = positions.index_select(0, rows) + 1
-    return torch.nn.functional.pad(anchor, (0, plan.draft_rows - plan.num_requests))
+    if accepted is None:
+        accepted = last_accepted(plan.store, positions, num_rejected)
+    last_pos = accepted.last_pos
+    return torch.nn.functional.pad(last_pos + 1, (0, plan.draft_rows - plan.num_requests))

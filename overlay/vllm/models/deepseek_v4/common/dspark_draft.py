@@ -61,7 +61,7 @@ __all__ = [
     "DSparkDraftShape",
     "DraftContext",
     "RopeTables",
-    "block_hidden_keys",
+    "block_key_bias",
     "draft_block_positions",
     "draft_hf_config",
     "draft_noise_token_id",
@@ -172,14 +172,15 @@ class DraftRope(nn.Module):
         return RopeTables(cos=cos, sin=sin3[..., :2], sin_inverse=sin3[..., 1:])
 
 
-def block_hidden_keys(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
-    """``[R, 1, 1, W+N]``: True for the keys block queries must not attend, built once.
+def block_key_bias(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
+    """fp32 ``[R, 1, 1, W+N]`` added to every block query's scores, built once per pass.
 
-    Keys are the W ring cells (``window_mask [R, W]`` True where valid) then the N block
-    rows, which every block query attends (non-causal).
+    Keys are the W ring cells (``window_mask [R, W]`` True where valid: 0, else -inf)
+    then the N block rows, which every block query attends (non-causal: 0).
     """
-    hidden = torch.nn.functional.pad(~window_mask, (0, block_len), value=False)
-    return hidden.view(window_mask.shape[0], 1, 1, -1)
+    bias = torch.where(window_mask, 0.0, float("-inf"))
+    bias = torch.nn.functional.pad(bias, (0, block_len), value=0.0)
+    return bias.view(window_mask.shape[0], 1, 1, -1)
 
 
 _NOPE_BLOCK_MASKS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
@@ -356,13 +357,13 @@ class DSparkDraftAttention(nn.Module):
         x: torch.Tensor,
         rope: RopeTables,
         ctx_kv: torch.Tensor,
-        hidden_keys: torch.Tensor,
+        key_bias: torch.Tensor,
     ) -> torch.Tensor:
         """``x [R*N, H]`` block rows (request-major) -> attention output ``[R*N, H]``.
 
         ``rope`` holds the block's RoPE tables at positions ``[R, N]``, ``ctx_kv [R, W,
-        D]`` the gathered ring rows, ``hidden_keys [R, 1, 1, W+N]`` (``block_hidden_keys``)
-        the keys a request's queries must not attend: its context cells outside the valid
+        D]`` the gathered ring rows, ``key_bias [R, 1, 1, W+N]`` (``block_key_bias``) 0 for
+        the keys a request's queries attend, -inf for its context cells outside the valid
         window (the N block keys are always attended).
         """
         s = self.shape
@@ -372,16 +373,16 @@ class DSparkDraftAttention(nn.Module):
         q = self.wq_b(self.q_norm(q_a)).view(num_requests, n, s.num_heads, s.head_dim)
         kv = self.kv_norm(kv).view(num_requests, n, 1, s.head_dim)
         # q's heads and the row's latent KV share the row's RoPE: one rotation for both,
-        # kept in fp32 for the FP8 round trip; q is rounded to bf16 as upstream's kernel
-        # takes it.
-        q_kv = rope.rotate(torch.cat([unit_rms_norm(q, s.rms_eps), kv], dim=2), out_dtype=torch.float32)
+        # rounded to x's dtype as upstream's kernels take them.
+        q_kv = rope.rotate(torch.cat([unit_rms_norm(q, s.rms_eps), kv], dim=2))
         q, block_kv = q_kv.split([s.num_heads, 1], dim=2)
-        block_kv = fp8_nope_roundtrip(block_kv.squeeze(2), s.rope_dim, out_dtype=x.dtype)
+        # The FP8 round trip hands fp32 back (exact: FP8 values times a power of two, and
+        # the bf16 RoPE dims); the concatenation promotes the bf16 ring rows to match.
+        block_kv = fp8_nope_roundtrip(block_kv.squeeze(2), s.rope_dim, out_dtype=torch.float32)
+        keys = torch.cat([ctx_kv, block_kv], dim=1)  # [R, W+N, D] fp32
 
-        keys = torch.cat([ctx_kv, block_kv], dim=1).float()  # [R, W+N, D]
-        qf = q.to(x.dtype).float()
-        scores = torch.einsum("rnhd,rkd->rnhk", qf, keys) * self.scale
-        scores = scores.masked_fill(hidden_keys, float("-inf"))
+        scores = torch.einsum("rnhd,rkd->rnhk", q.float(), keys)
+        scores = torch.add(key_bias, scores, alpha=self.scale)  # scale, then mask: one op
         sink = self.attn_sink.expand(num_requests, n, -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("rnhk,rkd->rnhd", probs, keys).to(x.dtype)
@@ -445,11 +446,11 @@ class DSparkDraftLayer(nn.Module):
         rope: RopeTables,
         input_ids: torch.Tensor,
         ctx_kv: torch.Tensor,
-        hidden_keys: torch.Tensor,
+        key_bias: torch.Tensor,
     ) -> torch.Tensor:
         """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
         h, post, comb = self._mix(x, "attn")
-        h = self.attn(self.attn_norm(h), rope, ctx_kv, hidden_keys)
+        h = self.attn(self.attn_norm(h), rope, ctx_kv, key_bias)
         x = self.mhc_post(h, x, post, comb)
         h, post, comb = self._mix(x, "ffn")
         h = self.ffn(self.ffn_norm(h), input_ids)
@@ -591,13 +592,13 @@ class DSparkDeepseekV4Draft(nn.Module):
             )
         flat_ids = input_ids.reshape(-1)
         rope = self.rope.at(positions)
-        hidden_keys = block_hidden_keys(context.mask, n)
+        key_bias = block_key_bias(context.mask, n)
         x = self.embed_tokens(flat_ids)
         x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
         slots = context.slots if context.slots.dtype == torch.int64 else context.slots.long()
         for layer, cache in zip(self.layers, context.caches, strict=True):
             ctx_kv = cache.index_select(0, slots)
-            x = layer(x, rope, flat_ids, ctx_kv, hidden_keys)
+            x = layer(x, rope, flat_ids, ctx_kv, key_bias)
         h = self.hc_head(
             x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps
         )

@@ -23,10 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from ....v1.spec_decode.dspark_ragged import StorePlan, host_layout, store_context_kv
+from ....v1.spec_decode.dspark_ragged import (
+    AcceptedRows,
+    StorePlan,
+    host_layout,
+    store_context_kv,
+)
 
 __all__ = [
     "MAX_PACKED_TOKENS",
@@ -102,7 +108,7 @@ def _check_group(tp_size: int, rank: int, group: object) -> None:
 
 
 def plan_packed_prefill(
-    query_start_loc: torch.Tensor,
+    query_start_loc: torch.Tensor | np.ndarray,
     tp_size: int,
     *,
     rank: int = 0,
@@ -112,16 +118,20 @@ def plan_packed_prefill(
     """Validate the chunk's host metadata and derive the TP row split; no device work.
 
     Every later helper trusts the plan, so all metadata checks live here. ``group`` may be
-    omitted for a geometry-only plan; ingestion with ``tp_size > 1`` needs it.
+    omitted for a geometry-only plan; ingestion with ``tp_size > 1`` needs it. A numpy
+    ``query_start_loc`` (the runner's host view) is read as it is, without a tensor
+    round trip.
     """
     if not _is_int(tp_size) or tp_size < 1:
         raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
     if not _is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    qsl = query_start_loc
+    host_view = query_start_loc if isinstance(query_start_loc, np.ndarray) else None
+    qsl = torch.from_numpy(host_view.copy()) if host_view is not None else query_start_loc
     if not isinstance(qsl, torch.Tensor):
         raise ValueError(
-            f"query_start_loc must be a torch.Tensor of shape [R+1], got {type(qsl).__name__}"
+            "query_start_loc must be a torch.Tensor or numpy array of shape [R+1], got "
+            f"{type(qsl).__name__}"
         )
     if qsl.dim() != 1:
         raise ValueError(
@@ -134,7 +144,7 @@ def plan_packed_prefill(
             "query_start_loc must have at least 2 entries (R >= 1 request), "
             f"got shape {tuple(qsl.shape)}"
         )
-    host, _ = host_layout(qsl, min_rows=1)
+    host, _ = host_layout(qsl if host_view is None else host_view, min_rows=1)
     n = int(host[-1])
     if n > max_tokens:
         raise ValueError(
@@ -144,7 +154,7 @@ def plan_packed_prefill(
     _check_group(tp_size, rank, group)
     padded = -(-n // tp_size) * tp_size
     return PackedPrefill(
-        query_start_loc=qsl.clone(),
+        query_start_loc=qsl if host_view is not None else qsl.clone(),
         num_requests=qsl.numel() - 1,
         num_tokens=n,
         num_padded=padded,
@@ -272,6 +282,7 @@ def ingest_packed_prefill(
     *,
     max_model_len: int,
     num_rejected: torch.Tensor | None = None,
+    accepted: AcceptedRows | None = None,
 ) -> torch.Tensor:
     """Project this rank's L rows into draft context KV, all-gather P rows, store N rows.
 
@@ -291,6 +302,7 @@ def ingest_packed_prefill(
         max_model_len: bound for the synthetic pad positions.
         num_rejected: ``[R]`` device rows to drop at each request's end (verify rows in a
             mixed step), at most the store plan's bounds; ``None`` for a pure prefill.
+        accepted: ``dspark_ragged.last_accepted`` of the same step, if the caller has it.
 
     Returns:
         The gathered ``[P, K, D]`` context KV (pad rows exactly zero), identical on every
@@ -332,5 +344,7 @@ def ingest_packed_prefill(
 
     n = plan.num_tokens
     for k, (cache, cache_pos) in enumerate(kv_caches):
-        store_context_kv(cache, cache_pos, full_kv[:n, k], positions, store, num_rejected)
+        store_context_kv(
+            cache, cache_pos, full_kv[:n, k], positions, store, num_rejected, accepted
+        )
     return full_kv
