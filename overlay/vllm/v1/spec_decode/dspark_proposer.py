@@ -130,7 +130,10 @@ class DSparkProposer:
         self.live_request_ids: set[str] = set()  # ids holding a ring row
         self._counters = DSparkCounters()
         # Rejected rows are known on the device only; summed there, read when asked.
-        self._rejected_total = torch.zeros((), dtype=torch.int64, device=self.device)
+        # One running total per ring row: a step adds its counts with one index_add_.
+        self._rejected_total = torch.zeros(
+            self.max_num_seqs + 1, dtype=torch.int64, device=self.device
+        )
         seed = vllm_config.model_config.seed
         self.request_seeds = RequestSeeds(0 if seed is None else int(seed))
         self.model: nn.Module | None = None
@@ -163,7 +166,7 @@ class DSparkProposer:
     @property
     def counters(self) -> DSparkCounters:
         """Cumulative counters; folds in the device-side rejection total (one read, here)."""
-        rejected = int(self._rejected_total)
+        rejected = int(self._rejected_total.sum())
         if rejected:
             self._rejected_total.zero_()
             c = self._counters
@@ -449,4 +452,6 @@ class DSparkProposer:
         c.sampled_draft_tokens += plan.num_sampled * k if self.probabilistic else 0
         c.verified_tokens += plan.num_verified
         c.accepted_tokens += plan.num_verified
-        self._rejected_total += num_rejected.sum()
+        if num_rejected.dtype != torch.int64:
+            num_rejected = num_rejected.long()
+        self._rejected_total.index_add_(0, plan.store.slots, num_rejected)

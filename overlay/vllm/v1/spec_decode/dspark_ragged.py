@@ -330,7 +330,7 @@ def window_mask(
     """
     held = cache_pos.index_select(0, slots)  # [R, W]
     anchor = anchor_positions[:, None]
-    return (held >= 0) & (held >= anchor - W) & (held < anchor)
+    return (held >= (anchor - W).clamp(min=0)) & (held < anchor)
 
 
 def clear_slots(cache_pos: torch.Tensor, slots: Iterable[int]) -> None:

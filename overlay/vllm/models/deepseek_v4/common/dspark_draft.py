@@ -28,7 +28,7 @@ draft's KV is keyed by request id (see ``vllm/v1/spec_decode/dspark_proposer.py`
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import regex as re
 import torch
@@ -108,24 +108,26 @@ class DraftContext:
     mask: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class RopeTables:
     """GPT-J RoPE at some positions as pair tables over a whole head, for one pass.
 
     For positions of shape ``P``: ``cos`` fp32 ``[*P, 1, D/2, 1]`` (one entry per dim
-    pair, broadcast over heads), ``sin`` ``[*P, 1, D/2, 2]`` signed ``(-s, s)`` and
-    ``sin_inverse`` ``(s, -s)``, so that a pair ``(x0, x1)`` becomes
-    ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE pairs (the first ``D - rope_dim``
-    dims) have ``c = 1, s = 0`` and pass through unchanged, so one multiply-add covers
-    the head without slicing. Every draft layer shares one rotary (same config), so a
-    block (or a context chunk) looks its tables up once and q, kv and the output
-    de-rotation of all layers reuse them. Same arithmetic as upstream's
-    ``forward_native`` (fp32 products and sum), equal bit for bit on finite inputs.
+    pair, broadcast over heads) and ``sin3`` ``[*P, 1, D/2, 3]`` = ``(-s, s, -s)``:
+    ``[..., :2]`` is the signed sin ``(-s, s)`` and ``[..., 1:]`` its inverse ``(s, -s)``,
+    so that a pair ``(x0, x1)`` becomes ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE
+    pairs (the first ``D - rope_dim`` dims) have ``c = 1, s = 0`` and pass through
+    unchanged, so one multiply-add covers the head without slicing. Every draft layer
+    shares one rotary (same config), so a block (or a context chunk) looks its tables up
+    once and q, kv and the output de-rotation of all layers reuse them; each direction's
+    view is taken on first use (context KV is never de-rotated). Same arithmetic as
+    upstream's ``forward_native`` (fp32 products and sum), equal bit for bit on finite
+    inputs.
     """
 
     cos: torch.Tensor
-    sin: torch.Tensor
-    sin_inverse: torch.Tensor
+    sin3: torch.Tensor
+    _signed: dict[bool, torch.Tensor] = field(default_factory=dict)
 
     def rotate(
         self, x: torch.Tensor, inverse: bool = False, out_dtype: torch.dtype | None = None
@@ -135,8 +137,10 @@ class RopeTables:
         The result is in ``out_dtype`` (default: x's dtype); fp32 skips the final cast
         for a caller that goes on in fp32.
         """
+        if inverse not in self._signed:
+            self._signed[inverse] = self.sin3[..., 1:] if inverse else self.sin3[..., :2]
         pairs = x.unflatten(-1, (-1, 2))
-        swapped = pairs.flip(-1) * (self.sin_inverse if inverse else self.sin)
+        swapped = pairs.flip(-1) * self._signed[inverse]
         rotated = (pairs * self.cos + swapped).flatten(-2)
         out_dtype = x.dtype if out_dtype is None else out_dtype
         return rotated if rotated.dtype == out_dtype else rotated.to(out_dtype)
@@ -169,7 +173,7 @@ class DraftRope(nn.Module):
         pad = (0, 0, self.pass_pairs, 0)
         cos = torch.nn.functional.pad(self.cos[positions], pad, value=1.0)
         sin3 = torch.nn.functional.pad(self.sin3[positions], pad, value=0.0)
-        return RopeTables(cos=cos, sin=sin3[..., :2], sin_inverse=sin3[..., 1:])
+        return RopeTables(cos=cos, sin3=sin3)
 
 
 def block_key_bias(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
@@ -618,16 +622,18 @@ class DSparkDeepseekV4Draft(nn.Module):
         return self.markov_head.embed(token_ids)
 
     def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
-        """``W2 e`` ``[B, V]``: the replicated Markov head's GEMM alone.
+        """``W2 e`` ``[B, V]``: one GEMM on the Markov head's weight.
 
-        Upstream passes it through the logits processor, which adds nothing here (the
-        head is not TP-sharded, no scale or soft cap) but a slice; it is taken only
-        when the head's vocabulary is padded.
+        The head is built unquantized and replicated (as upstream), its weight a plain
+        ``[V, r]`` matrix (rows past V pad the vocabulary). Upstream sends it through the
+        logits processor, which adds nothing here but a slice; this runs four times per
+        block, so it is the GEMM alone.
         """
-        w2 = self.markov_head.markov_w2
-        bias = w2.quant_method.apply(w2, markov_embed)
+        weight = self.markov_head.markov_w2.weight
         vocab = self.shape.vocab_size
-        return bias if bias.shape[-1] == vocab else bias[..., :vocab]
+        if weight.shape[0] != vocab:
+            weight = weight[:vocab]
+        return torch.nn.functional.linear(markov_embed, weight)
 
     def compute_confidence(
         self, head_hidden: torch.Tensor, markov_embed: torch.Tensor
