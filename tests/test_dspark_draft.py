@@ -10,8 +10,8 @@ import pytest
 import torch
 from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context  # noqa: E402
-from vllm.models.deepseek_v4.common.dspark_draft import (  # noqa: E402
-    DraftContext,
+from vllm.models.deepseek_v4.common.dspark_draft import DraftContext  # noqa: E402
+from vllm.models.deepseek_v4.common.dspark_draft_layers import (  # noqa: E402
     DraftRMSNorm,
     block_key_bias,
     fp8_nope_roundtrip,

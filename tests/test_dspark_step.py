@@ -131,3 +131,28 @@ def test_plan_is_frozen_and_compares_by_identity():
 def test_a_step_with_more_rows_than_its_verify_blocks_carries_a_prefill_chunk(lengths, prefilling, packed):
     p = plan(lengths, drafts=[0] * len(lengths), prefilling=prefilling)
     assert (p.packed is not None) is packed
+
+
+def test_runner_numpy_query_start_loc_plans_like_the_tensor():
+    """The runner hands its int32 numpy view; the plan (packed part included) is the same."""
+    lengths = [K + 1, 40, 2]
+    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    kw = dict(num_draft_tokens=[K, 0, 1], prefilling=[False, True, False], temperature_cpu=None,
+              window=WINDOW, num_slots=SLOTS, num_spec_tokens=K, draft_sizes=capture_sizes(SLOTS))
+    from_tensor = plan_step(qsl, [3, 1, 5], **kw)
+    from_numpy = plan_step(qsl.numpy(), [3, 1, 5], **kw)
+    for a, b in ((from_tensor, from_numpy), (from_tensor.store, from_numpy.store)):
+        for field in dataclasses.fields(a):
+            x, y = getattr(a, field.name), getattr(b, field.name)
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y), field.name
+            elif field.name not in ("store", "packed"):
+                assert x == y, field.name
+    assert from_numpy.packed is not None
+    assert torch.equal(from_numpy.packed.query_start_loc, qsl)
+    assert (from_numpy.packed.num_tokens, from_numpy.packed.num_requests) == (47, 3)
+    # The plan keeps its own copy: the runner may refill its buffer next step.
+    buffer = qsl.numpy().copy()
+    p = plan_step(buffer, [3, 1, 5], **kw)
+    buffer[:] = 0
+    assert p.packed.query_start_loc.tolist() == [0, K + 1, K + 41, K + 43]
