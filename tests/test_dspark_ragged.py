@@ -725,3 +725,15 @@ def test_allocated_rings_have_a_scratch_row_and_start_empty():
     assert cache.shape == (4, 8, 5) and cache.dtype == torch.bfloat16 and not cache.any()
     assert cache_pos.shape == (4, 8) and cache_pos.dtype == torch.int64
     assert (cache_pos == -1).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_ship_hands_back_one_int64_view_per_array_on_the_device(device):
+    import numpy as np
+
+    shipped = dr.ship({"a": np.array([1, 2], dtype=np.int32), "b": np.array([7])}, device)
+    assert list(shipped) == ["a", "b"]
+    assert all(t.device.type == device and t.dtype == torch.int64 for t in shipped.values())
+    assert [tuple(t.shape) for t in shipped.values()] == [(2,), (1,)]
+    if device == "cpu":
+        assert shipped["a"].tolist() == [1, 2] and shipped["b"].tolist() == [7]

@@ -47,9 +47,10 @@ from vllm.models.deepseek_v4.common.dspark_draft import (
     draft_noise_token_id,
     load_dspark_draft,
 )
-from vllm.models.deepseek_v4.common.dspark_markov import MarkovDraft, markov_block_sample
+from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
 from vllm.models.deepseek_v4.common.dspark_seeded_noise import RequestSeeds, keyed_race_noise
 from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
+from vllm.v1.spec_decode.dspark_graphs import DraftBlockGraphs, draft_graphs_wanted
 from vllm.v1.spec_decode.dspark_ragged import (
     SlotTable,
     allocate_rings,
@@ -143,10 +144,11 @@ class DSparkProposer:
         # (head hidden, Markov embeds) of the last block's real rows: its confidence is
         # computed only when read (fixed-length verify does not use it).
         # Rows of it that are requests (the rest pad the block to a draft size).
-        self._confidence_inputs: tuple[torch.Tensor, MarkovDraft] | None = None
+        self._confidence_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._confidence_rows = 0
         self._last_probs: torch.Tensor | None = None
         self._block_offsets: torch.Tensor | None = None  # arange(N) on the device, made once
+        self.graphs: DraftBlockGraphs | None = None  # CUDA graphs of the draft block
         # The one test hook (None in production): replaces the drafts of a step.
         # ``draft_override(req_ids=, anchor_positions=, anchor_tokens=, drafts=)`` gets
         # [R] tensors and the [R, k] drafts, returns replacement drafts or None.
@@ -158,10 +160,10 @@ class DSparkProposer:
         """``[R, N]`` confidence of the last block's drafts (None without a confidence head)."""
         if self._confidence_inputs is None or self.model is None:
             return None
-        head, markov = self._confidence_inputs
+        head, embeds = self._confidence_inputs
         rows = self._confidence_rows
         with torch.inference_mode():
-            return self.model.compute_confidence(head[:rows], markov.embeds[:rows])
+            return self.model.compute_confidence(head[:rows], embeds[:rows])
 
     @property
     def counters(self) -> DSparkCounters:
@@ -208,6 +210,25 @@ class DSparkProposer:
         stacked = self.kv_cache.view(-1, self.window, self.num_layers, self.head_dim)
         self._layer_caches = list(stacked.unbind(2))
         self._block_offsets = torch.arange(self.num_speculative_tokens, device=self.device)
+        if draft_graphs_wanted(self.vllm_config, self.device):
+            self.use_draft_graphs()
+
+    def use_draft_graphs(self, make_wrapper=None) -> None:
+        """Run the draft block as one CUDA graph per draft size (captured in ``dummy_run``).
+
+        ``make_wrapper`` replaces vLLM's ``CUDAGraphWrapper`` (tests use a stand-in on CPU).
+        """
+        kwargs = {} if make_wrapper is None else {"make_wrapper": make_wrapper}
+        self.graphs = DraftBlockGraphs(
+            self.draft_block,
+            self.vllm_config,
+            self.draft_sizes,
+            num_spec_tokens=self.num_speculative_tokens,
+            vocab_size=self.model.shape.vocab_size,
+            sampled=self.probabilistic,
+            device=self.device,
+            **kwargs,
+        )
 
     def layer_caches(self) -> list[torch.Tensor]:
         """Per-layer views ``[S+1, W, D]`` of the stacked ring (made once, when allocated)."""
@@ -219,11 +240,24 @@ class DSparkProposer:
         """The draft keeps its KV in private rings: no paged-attention group to set up."""
 
     def initialize_cudagraph_keys(self, *args, **kwargs) -> None:
-        """The draft block has static shapes per size in ``draft_sizes``; run eagerly here."""
+        """Nothing to key: the draft block's graphs are one per size in ``draft_sizes``."""
 
-    def dummy_run(self, num_tokens: int, **kwargs) -> None:
-        """Profile/warm-up pass: one block per draft size' smallest, reading only scratch."""
+    def dummy_run(self, num_tokens: int, *, is_graph_capturing: bool = False, **kwargs) -> None:
+        """Profile/warm-up pass (one block of the smallest draft size, reading only the
+        scratch row); in vLLM's capture phase, captures the draft block's graphs."""
         if self.model is None or self.kv_cache is None:
+            return
+        if is_graph_capturing and self.graphs is not None:
+            try:
+                self.graphs.capture()
+            except Exception as exc:  # noqa: BLE001 - any capture failure: serve eagerly
+                logger.warning(
+                    "DSpark draft block: CUDA graph capture failed (%s: %s); it runs eagerly "
+                    "(DSPARK_DRAFT_CUDAGRAPH=0 skips the attempt)",
+                    type(exc).__name__,
+                    exc,
+                )
+                self.graphs = None
             return
         from vllm.forward_context import set_forward_context
 
@@ -310,11 +344,12 @@ class DSparkProposer:
                 noise = self.draw_race_noise(seeds, anchor_pos)
             else:
                 temperature = None
-            tokens = self.draft_block(plan.draft_slots, anchors, anchor_pos, temperature, noise)
+            tokens, head, embeds, *probs = self._run_block(
+                plan.draft_slots, anchors, anchor_pos, temperature, noise
+            )
         drafts = tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
-        if self._last_probs is not None:
-            self._last_probs = self._last_probs[:num_reqs]
-        self._confidence_rows = num_reqs
+        self._last_probs = probs[0][:num_reqs] if probs else None
+        self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
         if self.draft_override is not None:
             replaced = self.draft_override(
                 req_ids=req_ids,
@@ -397,14 +432,16 @@ class DSparkProposer:
         anchor_pos: torch.Tensor,
         temperature: torch.Tensor | None,
         race_noise: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Backbone + Markov head for ``[B]`` draft rows (B a draft size): ``[B, N]`` tokens.
+    ) -> tuple[torch.Tensor, ...]:
+        """Backbone + Markov head for ``[B]`` draft rows (B a draft size).
 
-        Static shapes (B, N, W, V fixed), no host read, no RNG state (sampled rows use
-        ``race_noise [B, N, V]``, see ``draw_race_noise``): one CUDA graph per draft size
-        can capture it. Reads the rings, never writes them; a pad row (slot = scratch
-        row, anchor position 0) attends nothing. Keeps the draft distributions
-        (probabilistic drafting) and the confidence of the block.
+        Returns ``(tokens [B, N], head hidden [B, N, H], Markov embeds [B, N, r])`` and,
+        when drafting is probabilistic, ``draft probs [B, N, V]``: a flat tuple of
+        tensors, nothing kept on ``self``, so a CUDA graph replay (``dspark_graphs``),
+        which runs none of this Python, hands back the same outputs. Static shapes (B, N,
+        W, V fixed), no host read, no RNG state (sampled rows use ``race_noise [B, N,
+        V]``, see ``draw_race_noise``). Reads the rings, never writes them; a pad row
+        (slot = scratch row, anchor position 0) attends nothing.
         """
         model, n = self.model, self.num_speculative_tokens
         ids = torch.nn.functional.pad(anchors[:, None], (0, n - 1), value=self.noise_token_id)
@@ -420,9 +457,15 @@ class DSparkProposer:
             race_noise=race_noise,
             return_probs=self.probabilistic,
         )
-        self._confidence_inputs, self._confidence_rows = (head, out), anchors.shape[0]
-        self._last_probs = out.probs
-        return out.tokens
+        block = (out.tokens, head, out.embeds)
+        return block if out.probs is None else (*block, out.probs)
+
+    def _run_block(self, slots, anchors, anchor_pos, temperature, race_noise):
+        """The draft block as a replayed CUDA graph when one is captured for this size."""
+        graphs = self.graphs
+        if graphs is not None and slots.shape[0] in graphs.captured:
+            return graphs.run(slots, anchors, anchor_pos, temperature, race_noise)
+        return self.draft_block(slots, anchors, anchor_pos, temperature, race_noise)
 
     def draw_race_noise(self, seeds: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
         """``Exp(1)`` race noise ``[B, N, V]`` for sampled drafting, keyed, never stateful.
