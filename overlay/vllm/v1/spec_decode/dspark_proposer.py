@@ -141,9 +141,9 @@ class DSparkProposer:
         self.kv_cache: torch.Tensor | None = None  # [S+1, W, K * D], all draft layers
         self.kv_pos: torch.Tensor | None = None  # [S+1, W] absolute position per cell
         self._layer_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
-        # (head hidden, Markov embeds) of the last block's real rows: its confidence is
-        # computed only when read (fixed-length verify does not use it).
-        # Rows of it that are requests (the rest pad the block to a draft size).
+        # (head hidden, Markov embeds) of the last block and how many of its rows are
+        # requests (the rest pad it to a draft size): its confidence is computed only when
+        # read (fixed-length verify does not use it).
         self._confidence_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._confidence_rows = 0
         self._last_probs: torch.Tensor | None = None

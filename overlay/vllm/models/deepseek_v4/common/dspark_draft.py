@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.qwen3_dspark import (
@@ -56,6 +56,7 @@ from vllm.models.deepseek_v4.common.dspark_draft_layers import (
     RopeTables,
     block_key_bias,
     fp8_nope_roundtrip,
+    stacked_projection,
 )
 from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
 
@@ -162,14 +163,11 @@ class DSparkDeepseekV4Draft(nn.Module):
         )
         # Every layer's wkv stacked for the context rows: one GEMM (upstream's
         # ``context_wkv_proj``; loaded from each layer's ``attn.wkv``).
-        self.context_wkv_proj = MergedColumnParallelLinear(
+        self.context_wkv_proj = stacked_projection(
             s.hidden_size,
             [s.head_dim] * s.num_draft_layers,
-            bias=False,
-            return_bias=False,
-            quant_config=quant_config,
-            prefix=f"{base}.context_wkv_proj",
-            disable_tp=True,
+            quant_config,
+            f"{base}.context_wkv_proj",
         )
         self.norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
         width = s.hc_mult * s.hidden_size

@@ -30,6 +30,7 @@ __all__ = [
     "RopeTables",
     "block_key_bias",
     "fp8_nope_roundtrip",
+    "stacked_projection",
     "unit_rms_norm",
 ]
 
@@ -219,6 +220,25 @@ def _make_moe(vllm_config: VllmConfig, prefix: str) -> nn.Module:
     return NvMoE(vllm_config, prefix=prefix, num_hash_layers=hf.num_hash_layers)
 
 
+def stacked_projection(
+    n_in: int, sizes: list[int], quant_config, prefix: str
+) -> MergedColumnParallelLinear:
+    """Replicated projections of the same rows as one GEMM, each loaded as a shard.
+
+    Not split across TP ranks (every rank runs the whole draft); the checkpoint's separate
+    weights (and their block-FP8 scales) load into their shard with vLLM's loader.
+    """
+    return MergedColumnParallelLinear(
+        n_in,
+        sizes,
+        bias=False,
+        return_bias=False,
+        quant_config=quant_config,
+        prefix=prefix,
+        disable_tp=True,
+    )
+
+
 class DSparkDraftAttention(nn.Module):
     """DeepSeek-V4 latent attention of one draft layer over ring context + block."""
 
@@ -239,14 +259,8 @@ class DSparkDraftAttention(nn.Module):
             )
 
         # wq_a and wkv read the same rows: one GEMM, as upstream's ``fused_wqa_wkv``.
-        self.fused_wqa_wkv = MergedColumnParallelLinear(
-            s.hidden_size,
-            [s.q_lora_rank, s.head_dim],
-            bias=False,
-            return_bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.fused_wqa_wkv",
-            disable_tp=True,
+        self.fused_wqa_wkv = stacked_projection(
+            s.hidden_size, [s.q_lora_rank, s.head_dim], quant_config, f"{prefix}.fused_wqa_wkv"
         )
         self.q_norm = DraftRMSNorm(s.q_lora_rank, eps=s.rms_eps)
         self.wq_b = linear(s.q_lora_rank, s.num_heads * s.head_dim, "wq_b")
