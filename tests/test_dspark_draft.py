@@ -414,3 +414,30 @@ def test_proposer_builds_the_overlay_draft_when_the_platform_is_cuda(draft_env, 
     for got, want in zip(built.outputs, draft.outputs, strict=True):
         assert torch.equal(got, want)
     assert built.lm_head is draft.lm_head
+
+
+def test_stacked_projections_hold_each_layers_checkpoint_weights(draft_env):
+    """``fused_wqa_wkv`` is its layer's [wq_a; wkv], ``context_wkv_proj`` every layer's wkv
+    in layer order: checked against the checkpoint's tensors, so a shard mix-up shows."""
+    draft, _, tensors = draft_env
+    s = draft.shape
+    x = (torch.randn(5, s.hidden_size, generator=torch.Generator().manual_seed(8))).to(
+        torch.bfloat16
+    )
+
+    def close(got, want):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+    with torch.inference_mode():
+        context = draft.context_wkv_proj(x).float().view(5, len(draft.layers), s.head_dim)
+        for j, layer in enumerate(draft.layers):
+            wq_a = tensors[f"mtp.{j}.attn.wq_a.weight"].float()
+            wkv = tensors[f"mtp.{j}.attn.wkv.weight"].float()
+            q_a, kv = layer.attn.fused_wqa_wkv(x).float().split([s.q_lora_rank, s.head_dim], -1)
+            close(q_a, x.float() @ wq_a.t())
+            close(kv, x.float() @ wkv.t())
+            close(context[:, j], x.float() @ wkv.t())
+    # The layers' wkv differ well beyond the tolerance: the check can fail.
+    w0, w1 = (tensors[f"mtp.{j}.attn.wkv.weight"].float() for j in (0, 1))
+    kv0, kv1 = x.float() @ w0.t(), x.float() @ w1.t()
+    assert (kv0 - kv1).abs().max() > 10 * 2e-2 * float(kv0.abs().max())
