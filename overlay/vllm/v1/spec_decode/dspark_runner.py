@@ -89,13 +89,9 @@ def propose_from_runner(
     if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
         temperature = sampling_metadata.temperature[:num_reqs]
         temperature_cpu = batch.temperature_cpu[:num_reqs]
-    # The runner's numpy view of the host query_start_loc (what query_start_loc_cpu
-    # views): the plan reads it without a tensor-to-numpy conversion.
-    qsl_buffer = getattr(runner, "query_start_loc", None)
-    if qsl_buffer is not None and getattr(qsl_buffer, "np", None) is not None:
-        query_start_loc = qsl_buffer.np[: num_reqs + 1]
-    else:
-        query_start_loc = common_attn_metadata.query_start_loc_cpu[: num_reqs + 1]
+    # The runner's numpy view of the host query_start_loc (the memory
+    # common_attn_metadata.query_start_loc_cpu views): read without a conversion.
+    query_start_loc = runner.query_start_loc.np[: num_reqs + 1]
     aux = torch.cat([h[:num_rows] for h in aux_hidden_states], dim=-1)
     return drafter.propose(
         req_ids=req_ids,

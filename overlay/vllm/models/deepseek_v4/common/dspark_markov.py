@@ -34,13 +34,8 @@ class MarkovDraft:
     """Result of one Markov pass over a block."""
 
     tokens: torch.Tensor  # [R, N] int64, x_0..x_{N-1}
-    slot_embeds: list[torch.Tensor]  # N x [R, r], e_k = W1[token conditioning slot k]
+    embeds: torch.Tensor  # [R, N, r], e_k = W1[token conditioning slot k]
     probs: torch.Tensor | None  # [R, N, V] float32 draft distribution q_k, if asked
-
-    @property
-    def embeds(self) -> torch.Tensor:
-        """``[R, N, r]``; stacked when read (only the confidence head reads it)."""
-        return torch.stack(self.slot_embeds, dim=1)
 
 
 def _check(base_logits: torch.Tensor, anchor: torch.Tensor, temperature) -> None:
@@ -135,6 +130,6 @@ def markov_block_sample(
         prev = x_k
     return MarkovDraft(
         tokens=torch.stack(tokens, dim=1),
-        slot_embeds=embeds,
+        embeds=torch.stack(embeds, dim=1),
         probs=torch.stack(probs, dim=1) if return_probs else None,
     )
