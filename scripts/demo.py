@@ -126,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f">> model: {model.relative_to(REPO) if model.is_relative_to(REPO) else model}")
     print(f">> profile {profile['name']}: {chunk}-token chunked prefill, {num_spec} drafts/step")
 
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     print(">> [1/3] greedy decoding without speculation (plain target, child process)")
     with PlainTarget({**target_kwargs, "seed": 0}) as target:
@@ -139,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(">> [2/3] DSpark on vLLM's V1 runner (draft model of the checkpoint's mtp.* stages)")
         drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
-        drafter.counters = DSparkCounters()
+        drafter.reset_counters()
         outputs, seconds, steps = generate(engine, batch, args.max_tokens)
         real = drafter.counters.as_dict()
 
         print(">> [3/3] DSpark with oracle drafts (the target's greedy continuation, test hook)")
-        drafter.counters = DSparkCounters()
+        drafter.reset_counters()
         oracle_hook = OracleDrafts(
             target, {f"p{i}": p for i, p in enumerate(batch)}, args.max_tokens + num_spec + 1
         )
