@@ -3,8 +3,7 @@
 Standard library only: `scripts/smoke.py` (also the container's healthcheck) imports it.
 `LEVEL_SERIES` is the one place that says which series a sweep level records: each entry
 reads a snapshot from the parsed page before and after the level and stores the delta under
-its own key of the run (declared in `schema.RUN`). To record more series (e.g. DSpark's own
-counters), add an entry there and its field to the schema.
+its own key of the level.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# vLLM's token counters: the server-side decode rate (what vLLM's own log line reports).
+TOKEN_COUNTERS = {"generation": "vllm:generation_tokens_total", "prompt": "vllm:prompt_tokens_total"}
 
 _SAMPLE_RE = re.compile(
     r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
@@ -150,6 +151,24 @@ def spec_decode_delta(
     }
 
 
+def tokens_from_samples(samples: list[Sample]) -> dict[str, float] | None:
+    """Generated and prompt tokens so far, summed over engines; None if the page has neither."""
+    names = {name: key for key, name in TOKEN_COUNTERS.items()}
+    found = [(names[n], v) for n, _, v in samples if n in names]
+    if not found:
+        return None
+    return {key: sum(v for k, v in found if k == key) for key in TOKEN_COUNTERS}
+
+
+def tokens_delta(before: Mapping[str, float] | None, after: Mapping[str, float] | None):
+    if after is None:
+        return None
+    delta = {k: int(round(after[k] - (before or {}).get(k, 0.0))) for k in TOKEN_COUNTERS}
+    if min(delta.values()) < 0:
+        raise ValueError("token counters went backwards: was the server restarted mid-run?")
+    return delta
+
+
 @dataclass(frozen=True)
 class LevelSeries:
     """A group of /metrics series recorded per sweep level under the run's key `field`."""
@@ -162,6 +181,7 @@ class LevelSeries:
 LEVEL_SERIES: tuple[LevelSeries, ...] = (
     LevelSeries("spec_decode", spec_counters_from_samples, spec_decode_delta),
     LevelSeries("dspark", dspark_from_samples, dspark_delta),
+    LevelSeries("tokens", tokens_from_samples, tokens_delta),
 )
 
 
