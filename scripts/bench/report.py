@@ -1,4 +1,8 @@
-"""Human-readable views of a sweep result: a Markdown table and two PNG charts."""
+"""Views of a sweep result: the Markdown tables (levels, content types) and the PNG charts.
+
+Timing columns are `vllm bench serve`'s own numbers for the level, unchanged; acceptance
+and the server-counter decode rate come from the level's /metrics deltas.
+"""
 
 from __future__ import annotations
 
@@ -6,144 +10,135 @@ from pathlib import Path
 from typing import Any
 
 
-def _f(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "–" if x is None else f"{x * scale:.{digits}f}"
+def _f(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
 
 
-def _p(stats: dict | None, key: str, scale: float = 1.0, digits: int = 1) -> str:
-    return "–" if not stats else _f(stats[key], scale, digits)
+def acceptance(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Acceptance over levels from their summed counters: rate = accepted / draft tokens,
+    length = 1 + accepted / drafts (tokens per verify step, bonus included, as vLLM's log),
+    per position k = accepted at draft position k / drafts."""
+    spec = [lv["spec_decode"] for lv in levels if lv.get("spec_decode")]
+    drafts = sum(s["num_drafts"] for s in spec)
+    if not drafts:
+        return None
+    width = max(len(s["accepted_per_position"]) for s in spec)
+    per_pos = [sum((s["accepted_per_position"] + [0] * width)[k] for s in spec)
+               for k in range(width)]
+    accepted = sum(s["num_accepted_tokens"] for s in spec)
+    return {"drafts": drafts, "acceptance_rate": accepted / sum(s["num_draft_tokens"] for s in spec),
+            "mean_acceptance_length": 1.0 + accepted / drafts,
+            "per_position": [x / drafts for x in per_pos]}
 
 
-def _level_row(r: dict[str, Any]) -> str:
-    spec = r.get("spec_decode") or {}
-    dspark = r.get("dspark") or {}
-    ttft, itl = r["ttft_s"], r["itl_s"]
+def roofline_cell(level: dict[str, Any]) -> tuple[str, str]:
+    """(roofline tok/s, measured / roofline), both ranges for DSpark (module roofline)."""
+    roof, measured = level.get("roofline"), level.get("server_decode_tok_s")
+    if not roof:
+        return "–", "–"
+    if "tok_s_low" not in roof:
+        ratio = f"{measured / roof['decode_tok_s']:.1%}" if measured else "–"
+        return _f(roof["decode_tok_s"]), ratio
+    cell = f"{roof['tok_s_low']:.1f} .. {roof['tok_s_high']:.1f}"
+    if not measured:
+        return cell, "–"
+    return cell, f"{measured / roof['tok_s_high']:.1%} .. {measured / roof['tok_s_low']:.1%}"
+
+
+def _level_row(lv: dict[str, Any]) -> str:
+    v, acc = lv["vllm_bench"], acceptance([lv]) or {}
+    roof, ratio = roofline_cell(lv)
     return (
-        f"| {r['prompt_len']} | {r['concurrency']} | {r['num_ok']}/{r['num_requests']} "
-        f"| {_p(ttft, 'p50', 1e3, 0)} / {_p(ttft, 'p90', 1e3, 0)} / {_p(ttft, 'p99', 1e3, 0)} "
-        f"| {_p(itl, 'p50', 1e3, 1)} / {_p(itl, 'p99', 1e3, 1)} "
-        f"| {_p(r['decode_tok_s_per_stream'], 'p50')} "
-        f"| {_f(r['aggregate_decode_tok_s'])} | {_f(r['output_tok_s'])} "
-        f"| {_f(spec.get('mean_acceptance_length'), digits=2)} "
-        f"| {_f(spec.get('acceptance_rate'), digits=3)} "
-        f"| {_f(dspark.get('ragged_share'), digits=2)} |"
+        f"| {lv['content']} | {lv['prompt_len']} | {lv['concurrency']} "
+        f"| {v['completed']}/{lv['num_requests']} "
+        f"| {_f(v['p50_ttft_ms'])} / {_f(v['p99_ttft_ms'])} "
+        f"| {_f(v['p50_itl_ms'])} / {_f(v['p99_itl_ms'])} | {_f(v['p50_tpot_ms'])} "
+        f"| {_f(v['output_throughput'])} | {_f(lv['server_decode_tok_s'])} "
+        f"| {_f(acc.get('acceptance_rate'), 3)} | {_f(acc.get('mean_acceptance_length'), 2)} "
+        f"| {roof} | {ratio} |"
     )
 
 
-def markdown_report(result: dict[str, Any]) -> str:
-    srv = result["machine"]["server"]
-    cfg = result["config"]
-    pins = result["recipe"].get("pins") or {}
-    vllm_pin = (pins.get("vllm") or {}).get("version", "?")
+def markdown(result: dict[str, Any]) -> str:
+    p, cfg, levels = result["provenance"], result["config"], result["levels"]
+    machine = p["gpu"] or f"{p['cpu']} ({p['cpu_count']} CPUs)"
     lines = [
-        f"## Serving benchmark — profile `{result['recipe']['profile']}`",
+        f"## Serving sweep: profile `{p['profile']}`, {p['created_utc']}",
         "",
-        f"- model `{srv['model']}` at {srv['base_url']}, server vLLM {srv.get('version') or '?'}"
-        f" (pin {vllm_pin}), {result['created_utc']}, run `{result['run_id']}`",
-        f"- {cfg['endpoint']} API, output {cfg['output_len']} tokens"
-        f" (ignore_eos={cfg['ignore_eos']}), {cfg['rounds']} round(s) per level,"
-        f" temperature {cfg['temperature']}, seed {cfg['seed']}",
+        f"- commit {p['commit']}{' (dirty)' if p['dirty'] else ''}, vLLM server "
+        f"{p['vllm_server'] or '?'} / client {p['vllm_client']}, client machine {machine}",
+        f"- {cfg['endpoint']} API, output {cfg['output_len']} tokens (EOS ignored), "
+        f"{cfg['rounds']} x concurrency requests per level, {cfg['warmup']} warm-up requests "
+        f"excluded; roofline at {cfg['bandwidth_gbs']:g} GB/s per GPU",
     ]
     if result.get("note"):
         lines.append(f"- note: {result['note']}")
     lines += [
         "",
-        "| prompt | conc | ok/n | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) "
-        "| stream decode p50 (tok/s) | aggregate decode (tok/s) | output (tok/s) "
-        "| accept len | accept rate | ragged share |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| content | prompt | C | ok | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms "
+        "| output tok/s | server decode tok/s | accept rate | accept len | roofline tok/s "
+        "| measured / roofline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(_level_row(lv) for lv in levels),
     ]
-    lines += [_level_row(r) for r in result["runs"]]
-    per_pos = [
-        (r["prompt_len"], r["concurrency"], r["spec_decode"]["acceptance_per_position"])
-        for r in result["runs"]
-        if r.get("spec_decode") and r["spec_decode"].get("acceptance_per_position")
-    ]
-    if per_pos:
-        lines += ["", "Per-position acceptance (accepted at draft position k / drafts):", ""]
-        for p, c, rates in per_pos:
-            lines.append(f"- len={p} c={c}: " + ", ".join(f"{x:.2f}" for x in rates))
-    errs = [(r["prompt_len"], r["concurrency"], r["errors"]) for r in result["runs"] if r["errors"]]
-    if errs:
-        lines += ["", "Failed requests:", ""]
-        for p, c, e in errs:
-            lines.append(f"- len={p} c={c}: " + ", ".join(f"{k} {v}" for k, v in sorted(e.items())))
-    if not result["metrics_available"]:
-        lines += ["", "No spec-decode counters on /metrics (speculation off?)."]
+    by_content = content_acceptance(levels)
+    if by_content:
+        lines += ["", "| content | drafts | accept rate | accept len | acceptance by draft position |",
+                  "|---|---:|---:|---:|---|"]
+        for kind, acc in by_content.items():
+            lines.append(f"| {kind} | {acc['drafts']} | {acc['acceptance_rate']:.3f} "
+                         f"| {acc['mean_acceptance_length']:.2f} | "
+                         + " ".join(f"{x:.2f}" for x in acc["per_position"]) + " |")
+    else:
+        lines += ["", "No spec-decode counters on /metrics (speculation off)."]
     return "\n".join(lines) + "\n"
 
 
-def _chart(plt: Any, series: list[tuple[str, list, list, str, dict]], out: Path, axes: dict) -> Path:
-    """One line chart: series are (label, xs, ys, style, extra plot kwargs)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, xs, ys, style, extra in series:
-        ax.plot(xs, ys, style, label=label, **extra)
-    if axes.get("log2"):
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(axes["xticks"], [str(x) for x in axes["xticks"]])
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel(axes["xlabel"])
-    ax.set_ylabel(axes["ylabel"])
-    ax.set_title(axes["title"])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+def content_acceptance(levels: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    kinds = dict.fromkeys(lv["content"] for lv in levels)
+    out = {k: acceptance([lv for lv in levels if lv["content"] == k]) for k in kinds}
+    return {k: v for k, v in out.items() if v}
 
 
 def write_plots(result: dict[str, Any], stem: Path) -> list[Path]:
-    """Aggregate tok/s vs concurrency and TTFT vs prompt length, as PNGs next to `stem`."""
+    """STEM-acceptance.png (acceptance by draft position, one line per content type) and
+    STEM-decode.png (server-counter decode tok/s by concurrency, one line per content type
+    and prompt length)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["runs"]
-    title = f"{result['recipe']['profile']} · {result['machine']['server']['model']}"
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    tok_series, ttft_series = [], []
-    for i, plen in enumerate(sorted({r["prompt_len"] for r in runs})):
-        pts = sorted(
-            (r["concurrency"], r["aggregate_decode_tok_s"], r["output_tok_s"])
-            for r in runs
-            if r["prompt_len"] == plen and r["aggregate_decode_tok_s"] is not None
-        )
-        tok_series += _series_pair(pts, colors[i % len(colors)], f"decode, {plen} tok",
-                                   f"output, {plen} tok", "x--")
-    for i, conc in enumerate(sorted({r["concurrency"] for r in runs})):
-        pts = sorted(
-            (r["prompt_len"], r["ttft_s"]["p50"], r["ttft_s"]["p90"])
-            for r in runs
-            if r["concurrency"] == conc and r["ttft_s"]
-        )
-        ttft_series += _series_pair(pts, colors[i % len(colors)], f"p50, c={conc}",
-                                    f"p90, c={conc}", ":")
-    plens = sorted({r["prompt_len"] for r in runs})
-    return [
-        _chart(plt, tok_series, stem.with_name(stem.name + "-tok_s.png"), {
-            "xticks": sorted({r["concurrency"] for r in runs}),
-            "xlabel": "concurrent streams",
-            "ylabel": "aggregate tok/s (output = end-to-end incl. prefill)",
-            "title": f"Aggregate throughput — {title}",
-        }),
-        _chart(plt, ttft_series, stem.with_name(stem.name + "-ttft.png"), {
-            "xticks": plens,
-            "log2": len(plens) > 1 and plens[-1] / plens[0] >= 8,
-            "xlabel": "prompt length (tokens)",
-            "ylabel": "TTFT (s)",
-            "title": f"Time to first token — {title}",
-        }),
-    ]
+    levels, title = result["levels"], f"profile {result['provenance']['profile']}"
+    written = []
+    by_content = content_acceptance(levels)
+    if by_content:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for kind, acc in by_content.items():
+            xs = range(1, len(acc["per_position"]) + 1)
+            ax.plot(xs, acc["per_position"], "o-",
+                    label=f"{kind} (len {acc['mean_acceptance_length']:.2f})")
+        ax.set(xlabel="draft position", ylabel="accepted / drafts", ylim=(0, 1.02),
+               title=f"Acceptance by draft position, {title}")
+        written.append(_save(fig, ax, stem.with_name(stem.name + "-acceptance.png")))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind in dict.fromkeys(lv["content"] for lv in levels):
+        for plen in sorted({lv["prompt_len"] for lv in levels}):
+            pts = sorted((lv["concurrency"], lv["server_decode_tok_s"]) for lv in levels
+                         if lv["content"] == kind and lv["prompt_len"] == plen
+                         and lv["server_decode_tok_s"] is not None)
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"{kind}, prompt {plen}")
+    ax.set(xlabel="concurrent requests", ylabel="server-counter decode tok/s", ylim=(0, None),
+           title=f"Decode throughput, {title}")
+    written.append(_save(fig, ax, stem.with_name(stem.name + "-decode.png")))
+    plt.close("all")
+    return written
 
 
-def _series_pair(pts: list[tuple], color: str, label_a: str, label_b: str, b_style: str) -> list:
-    """Column 1 as a solid line and column 2 in `b_style`, same colour; nothing if no points."""
-    if not pts:
-        return []
-    xs = [p[0] for p in pts]
-    return [
-        (label_a, xs, [p[1] for p in pts], "o-", {"color": color}),
-        (label_b, xs, [p[2] for p in pts], b_style, {"color": color, "alpha": 0.6}),
-    ]
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
