@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 from dspark_support import ensure_tiny_model
 
+from scripts import recipe
 from scripts.bench import __main__ as bench_cli
-from scripts.bench import content, prometheus, report
+from scripts.bench import ab, content, prometheus, report
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,6 +65,8 @@ class FakeServer:
         return web.Response(text=AFTER if self.bodies else BEFORE)
 
     async def version(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.Response(status=401)
         return web.json_response({"version": "0.32.0+fake"})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -255,3 +258,44 @@ def test_level_deltas_of_the_fixture_pages_and_a_restarted_server():
 def test_malformed_metrics_line_is_named():
     with pytest.raises(ValueError, match="line 2"):
         prometheus.parse_prometheus("ok_metric 1\nthis is not a sample\n")
+
+
+# ---- make ab ---------------------------------------------------------------------------
+
+
+def test_ab_configuration_sets_profile_keys_and_names_bad_ones():
+    profile = recipe.load_profile("cpu-tiny")
+    name, derived = ab.parse_variant("no-spec:speculative.method=none", profile)
+    assert name == "no-spec" and derived["speculative"]["method"] == "none"
+    assert derived["name"] == "cpu-tiny-no-spec"
+    assert profile["speculative"]["method"] == "dspark"  # the base profile is left alone
+    assert "--speculative-config" not in recipe.serve_argv(derived)
+    assert ab.parse_variant("dspark:", profile)[1]["speculative"] == profile["speculative"]
+    with pytest.raises(ValueError, match="'speculative.metod=none'"):
+        ab.parse_variant("x:speculative.metod=none", profile)
+    with pytest.raises(ValueError, match="speculative.method"):
+        ab.parse_variant("x:speculative.method=eagle", profile)
+    with pytest.raises(ValueError, match="NAME:section.key=value"):
+        ab.parse_variant(":speculative.method=none", profile)
+
+
+def _ab_level(kind, conc, decode, ttft50, accepted):
+    bench = {"output_throughput": decode, "p50_ttft_ms": ttft50, "p99_ttft_ms": 2 * ttft50,
+             "p50_itl_ms": 10.0, "p99_itl_ms": 20.0}
+    spec = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": accepted,
+            "accepted_per_position": [accepted, 0, 0, 0]} if accepted is not None else None
+    return {"content": kind, "prompt_len": 64, "concurrency": conc, "vllm_bench": bench,
+            "server_decode_tok_s": decode, "spec_decode": spec}
+
+
+def test_ab_ratios_pair_each_level_with_the_same_level_of_the_other_run():
+    a = {"levels": [_ab_level("code", 1, 40.0, 50.0, 10), _ab_level("code", 4, 80.0, 60.0, 20),
+                    _ab_level("math", 1, 30.0, 40.0, 5)]}
+    b = {"levels": [_ab_level("code", 4, 100.0, 30.0, None), _ab_level("code", 1, 20.0, 100.0, None)]}
+    rows = ab.ratio_table(a, b)
+    assert [(r["content"], r["concurrency"]) for r in rows] == [("code", 4), ("code", 1)]
+    assert rows[0]["ratios"]["server decode tok/s"] == 100.0 / 80.0
+    assert rows[0]["ratios"]["TTFT p99"] == 60.0 / 120.0
+    assert rows[1]["ratios"]["output tok/s"] == 20.0 / 40.0
+    assert rows[1]["ratios"]["accept len"] is None  # B ran without speculation
+    assert ab.ratio_table(b, a)[0]["ratios"]["accept len"] is None

@@ -49,11 +49,15 @@ def add_sweep_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--note", help="free text kept in the result")
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace, profile: dict[str, Any]) -> None:
     for kind in args.content:
         content.samples(kind)  # ValueError naming the known types
     if args.output_len < 2 or args.rounds < 1 or args.warmup < 0:
         raise ValueError("--output-len must be >= 2, --rounds >= 1 and --warmup >= 0")
+    limit = profile["serving"]["max_model_len"]
+    if max(args.prompt_lens) + args.output_len > limit:
+        raise ValueError(f"--prompt-lens {max(args.prompt_lens)} + --output-len "
+                         f"{args.output_len} exceed the profile's max_model_len {limit}")
 
 
 def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
@@ -81,7 +85,7 @@ def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
             spec.get("mean_acceptance_length"))
     return {
         "kind": RESULT_KIND,
-        "provenance": provenance(profile["name"], server_version(base_url)),
+        "provenance": provenance(profile["name"], server_version(base_url, args.api_key)),
         "config": {"base_url": base_url, "model": cfg.model, "tokenizer": tokenizer_ref,
                    "contents": list(cfg.contents), "concurrency": list(cfg.concurrency),
                    "prompt_lens": list(cfg.prompt_lens), "output_len": cfg.output_len,
@@ -111,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     add_sweep_args(ap)
     args = ap.parse_args(argv)
     try:
-        check_args(args)
         profile = recipe.load_profile(args.profile)
+        check_args(args, profile)
         base_url = (args.base_url or
                     f"http://127.0.0.1:{profile['serving']['port']}").rstrip("/")
         stem = default_stem(args, "serving")

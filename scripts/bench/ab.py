@@ -121,12 +121,14 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
 @contextlib.contextmanager
 def local_server(profile_file: Path, port: int, log: Path, timeout_s: float) -> Iterator[str]:
     """`scripts/serve.py` for the derived profile, in its own process group, always stopped."""
+    base = f"http://127.0.0.1:{port}"
+    if _healthy(base):
+        raise RuntimeError(f"a server already answers on port {port}: stop it (or pass --port)")
     cmd = [sys.executable, str(recipe.REPO / "scripts" / "serve.py"), "--profile",
            str(profile_file), "--", "--port", str(port)]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, timeout_s, proc)
         yield base
@@ -169,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     add_sweep_args(ap)
     args = ap.parse_args(argv)
     try:
-        check_args(args)
         profile = recipe.load_profile(args.profile)
+        check_args(args, profile)
         variants = [parse_variant(text, profile) for text in (args.a, args.b)]
         stem = default_stem(args, "ab")
         results = [run_variant(args, name, prof, stem) for name, prof in variants]

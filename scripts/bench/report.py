@@ -128,7 +128,8 @@ def write_plots(result: dict[str, Any], stem: Path) -> list[Path]:
                          if lv["content"] == kind and lv["prompt_len"] == plen
                          and lv["server_decode_tok_s"] is not None)
             if pts:
-                ax.plot(*zip(*pts), "o-", label=f"{kind}, prompt {plen}")
+                ax.plot([c for c, _ in pts], [v for _, v in pts], "o-",
+                        label=f"{kind}, prompt {plen}")
     ax.set(xlabel="concurrent requests", ylabel="server-counter decode tok/s", ylim=(0, None),
            title=f"Decode throughput, {title}")
     written.append(_save(fig, ax, stem.with_name(stem.name + "-decode.png")))

@@ -94,11 +94,13 @@ def _layer(c: dict, lin: float, ratio: int, tp: int) -> float:
     sharded = (heads * hd * ql + og * ol * heads * hd // og + H * og * ol + shared) * lin
     mix = (2 + hc) * hc
     replicated = (ql + hd) * H * lin + 2 * mix * hc * H * F32 + c["n_routed_experts"] * H * BF16
-    if ratio > 1:
-        replicated += 2 * (2 if ratio == 4 else 1) * hd * H * BF16
-    if ratio == 4:
-        ih, ihd = c["index_n_heads"], c["index_head_dim"]
-        replicated += ih * ihd * ql * lin + ih * H * BF16 + 2 * 2 * ihd * H * BF16
+    for dim, present in ((hd, ratio > 1), (c.get("index_head_dim", 0), ratio == 4)):
+        if present:  # a compressor (C4 windows overlap: twice the width): wkv, wgate, ape
+            width = (2 if ratio == 4 else 1) * dim
+            replicated += 2 * width * H * BF16 + ratio * width * F32
+    if ratio == 4:  # the indexer's own projections
+        ih = c["index_n_heads"]
+        replicated += ih * c["index_head_dim"] * ql * lin + ih * H * BF16
     return sharded / tp + replicated
 
 

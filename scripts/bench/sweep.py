@@ -82,26 +82,32 @@ def vllm_bench_argv(cfg: SweepConfig, dataset: Path, n: int, conc: int, out: Pat
     return argv
 
 
-def run_vllm_bench(argv: list[str], api_key: str | None) -> dict[str, Any]:
-    """One `vllm bench serve` through its Python entry point; its saved JSON."""
+def run_vllm_bench(argv: list[str], api_key: str | None, log: Path) -> dict[str, Any]:
+    """One `vllm bench serve` through its Python entry point (its printout goes to `log`);
+    its saved JSON."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     args = parser.parse_args(argv)
-    with _client_key(api_key):
+    with _client_key(api_key), log.open("w") as out, contextlib.redirect_stdout(out):
         asyncio.run(main_async(args))
     return json.loads(Path(args.result_dir, args.result_filename).read_text())
 
 
-def scrape(base_url: str, api_key: str | None) -> dict[str, Any]:
-    """Every per-level /metrics series now (None where the server exposes none)."""
-    req = urllib.request.Request(base_url + "/metrics")
+def get(base_url: str, path: str, api_key: str | None) -> bytes:
+    req = urllib.request.Request(base_url + path)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(req, timeout=30) as resp:
-        return prometheus.read_level_snapshot(resp.read().decode("utf-8", "replace"))
+        return resp.read()
+
+
+def scrape(base_url: str, api_key: str | None) -> dict[str, Any]:
+    """Every per-level /metrics series now (None where the server exposes none)."""
+    text = get(base_url, "/metrics", api_key).decode("utf-8", "replace")
+    return prometheus.read_level_snapshot(text)
 
 
 def level_record(
@@ -124,7 +130,8 @@ def run_sweep(cfg: SweepConfig, tokenizer: Any, log=print) -> list[dict[str, Any
         content.write_dataset(data, tokenizer, cfg.contents[0], min(cfg.prompt_lens),
                               cfg.warmup, f"{cfg.tag}-warmup")
         run_vllm_bench(vllm_bench_argv(cfg, data, cfg.warmup, cfg.warmup,
-                                       levels_dir / "warmup.json"), cfg.api_key)
+                                       levels_dir / "warmup.json"), cfg.api_key,
+                       levels_dir / "warmup.log")
     records = []
     for kind in cfg.contents:
         for plen in cfg.prompt_lens:
@@ -136,7 +143,7 @@ def run_sweep(cfg: SweepConfig, tokenizer: Any, log=print) -> list[dict[str, Any
                 content.write_dataset(data, tokenizer, kind, plen, n, f"{cfg.tag}-{name}")
                 argv = vllm_bench_argv(cfg, data, n, conc, levels_dir / f"{name}.json")
                 before = scrape(cfg.base_url, cfg.api_key)
-                theirs = run_vllm_bench(argv, cfg.api_key)
+                theirs = run_vllm_bench(argv, cfg.api_key, levels_dir / f"{name}.log")
                 series, problems = prometheus.level_deltas(
                     before, scrape(cfg.base_url, cfg.api_key))
                 for line in problems:
@@ -178,10 +185,9 @@ def provenance(profile: str | None, server_version: str | None) -> dict[str, Any
     }
 
 
-def server_version(base_url: str) -> str | None:
+def server_version(base_url: str, api_key: str | None) -> str | None:
     try:
-        with urllib.request.urlopen(base_url + "/version", timeout=10) as resp:
-            return json.loads(resp.read()).get("version")
+        return json.loads(get(base_url, "/version", api_key)).get("version")
     except (OSError, ValueError):
         return None
 
