@@ -10,8 +10,8 @@ OVERLAY_MODE ?=
 TINY_MODEL := models/tiny-dsv4-dspark
 CACHE := .cache
 # Serving sweep sized for the CPU tiny server; on a Spark pass your own, e.g.
-# BENCH_ARGS="--concurrency 1,4,16 --prompt-lens 256,2048,32768 --output-len 256".
-BENCH_ARGS ?= --concurrency 1,4 --prompt-lens 64,256 --output-len 32
+# BENCH_ARGS="--concurrency 1 4 16 --prompt-lens 256 2048 32768 --output-len 256".
+BENCH_ARGS ?= --concurrency 1 4 --prompt-lens 64 256 --output-len 32
 # `make ab` configurations (default: DSpark vs no speculation, both started here).
 AB_ARGS ?=
 

@@ -170,7 +170,7 @@ def test_prompts_have_the_exact_length_and_end_with_their_sample(tiny_tokenizer,
 
 
 def test_unknown_content_type_is_a_clear_error(capsys, tmp_path):
-    argv = ["--base-url", "http://127.0.0.1:9", "--content", "code,haiku", "--out-dir",
+    argv = ["--base-url", "http://127.0.0.1:9", "--content", "code", "haiku", "--out-dir",
             str(tmp_path)]
     assert bench_cli.main(argv) == 2
     assert "content type 'haiku'" in capsys.readouterr().err

@@ -80,7 +80,7 @@ def test_sweep_on_vllm_bench_serve_counts_what_the_server_counted(server, tmp_pa
     prompt and output lengths with EOS ignored) and the server's own token counters, which
     must have moved by exactly what vLLM's client received."""
     argv = [sys.executable, "-m", "scripts.bench", "--base-url", server, "--profile",
-            "cpu-tiny", "--content", "code,prose", "--concurrency", "2", "--prompt-lens", "64",
+            "cpu-tiny", "--content", "code", "prose", "--concurrency", "2", "--prompt-lens", "64",
             "--output-len", "8", "--rounds", "1", "--warmup", "1", "--out-dir", str(tmp_path),
             "--name", "sweep"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,

@@ -1,11 +1,12 @@
 """`python -m scripts.bench`: the serving sweep against a running server; writes
 bench-results/NAME.{json,md}, NAME-acceptance.png, NAME-decode.png and NAME/levels/ (the
-`vllm bench serve` JSON and prompts of every level). Exit 2: bad arguments or server unusable.
+`vllm bench serve` JSON, prompts and log of every level). Exit 2: bad arguments or server.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -15,45 +16,44 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .. import recipe
-from . import content, roofline
+from .. import recipe, roofline
+from . import content
 from .report import markdown, write_plots
-from .sweep import RESULT_KIND, SweepConfig, int_list, provenance, run_sweep, server_version
-
-DEFAULT_OUT_DIR = recipe.REPO / "bench-results"
+from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep
 
 
 def add_sweep_args(ap: argparse.ArgumentParser) -> None:
-    """The flags the sweep and the A/B share."""
-    d = SweepConfig
-    ap.add_argument("--profile", default="cpu-tiny", help="recipe profile of the server: its "
-                    "port, served model, tokenizer and roofline (default: %(default)s)")
-    ap.add_argument("--tokenizer", help="tokenizer for the prompts (default: the profile's model)")
-    ap.add_argument("--content", type=lambda s: tuple(s.split(",")), default=d.contents,
-                    help=f"content types, comma-separated (default: {','.join(d.contents)})")
-    ap.add_argument("--concurrency", type=int_list, default=d.concurrency, metavar="N,N")
-    ap.add_argument("--prompt-lens", type=int_list, default=d.prompt_lens, metavar="N,N")
-    ap.add_argument("--output-len", type=int, default=d.output_len)
-    ap.add_argument("--rounds", type=int, default=d.rounds, help="requests per level = "
-                    "rounds x concurrency (default: %(default)s)")
-    ap.add_argument("--warmup", type=int, default=d.warmup, help="warm-up requests, excluded")
-    ap.add_argument("--endpoint", choices=("completions", "chat"), default=d.endpoint)
-    ap.add_argument("--temperature", type=float, help="default: the server's")
-    ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
-                    help="bearer token (default: $VLLM_API_KEY)")
-    ap.add_argument("--bandwidth-gbs", type=float, default=roofline.GB10_GBS,
-                    help="memory bandwidth per GPU for the roofline (default: GB10, %(default)s)")
-    ap.add_argument("--config", type=Path, help="the checkpoint's config.json for the roofline")
-    ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    ap.add_argument("--name", help="output stem (default: serving-PROFILE-YYYYmmdd-HHMMSS)")
-    ap.add_argument("--note", help="free text kept in the result")
+    """The flags the sweep and the A/B share (defaults: SweepConfig's)."""
+    d, add = SweepConfig, ap.add_argument
+    add("--profile", default="cpu-tiny", help="recipe profile of the server: port, served "
+        "model, tokenizer, roofline (default: %(default)s)")
+    add("--tokenizer", help="tokenizer for the prompts (default: the profile's model)")
+    add("--content", dest="contents", nargs="+", default=d.contents,
+        help=f"content types (default: {' '.join(d.contents)})")
+    add("--concurrency", type=int, nargs="+", default=d.concurrency)
+    add("--prompt-lens", type=int, nargs="+", default=d.prompt_lens)
+    add("--output-len", type=int, default=d.output_len)
+    add("--rounds", type=int, default=d.rounds, help="requests per level = rounds x concurrency")
+    add("--warmup", type=int, default=d.warmup, help="warm-up requests, in no level")
+    add("--endpoint", choices=("completions", "chat"), default=d.endpoint)
+    add("--temperature", type=float, help="default: the server's")
+    add("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+        help="bearer token (default: $VLLM_API_KEY)")
+    add("--bandwidth-gbs", type=float, default=roofline.GB10_GBS,
+        help="memory bandwidth per GPU for the roofline (default: GB10, %(default)s)")
+    add("--config", type=Path, help="the checkpoint's config.json for the roofline")
+    add("--out-dir", type=Path, default=recipe.REPO / "bench-results")
+    add("--name", help="output stem (default: serving-PROFILE-YYYYmmdd-HHMMSS)")
+    add("--note", help="free text kept in the result")
 
 
 def check_args(args: argparse.Namespace, profile: dict[str, Any]) -> None:
-    for kind in args.content:
+    for kind in args.contents:
         content.samples(kind)  # ValueError naming the known types
-    if args.output_len < 2 or args.rounds < 1 or args.warmup < 0:
-        raise ValueError("--output-len must be >= 2, --rounds >= 1 and --warmup >= 0")
+    if min(*args.concurrency, *args.prompt_lens) < 1 or args.output_len < 2 or args.rounds < 1 \
+            or args.warmup < 0:
+        raise ValueError("--concurrency and --prompt-lens must be >= 1, --output-len >= 2, "
+                         "--rounds >= 1 and --warmup >= 0")
     limit = profile["serving"]["max_model_len"]
     if max(args.prompt_lens) + args.output_len > limit:
         raise ValueError(f"--prompt-lens {max(args.prompt_lens)} + --output-len "
@@ -62,38 +62,26 @@ def check_args(args: argparse.Namespace, profile: dict[str, Any]) -> None:
 
 def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
             out_dir: Path) -> dict[str, Any]:
-    """Run the sweep against `base_url` and return the result (levels with rooflines)."""
+    """Run the sweep against `base_url`; the result, a roofline beside every level."""
     from vllm.tokenizers import get_tokenizer
 
-    tokenizer_ref = args.tokenizer or recipe.model_ref(profile)
-    trust = profile["model"]["trust_remote_code"]
-    cfg = SweepConfig(
-        base_url=base_url, model=profile["model"]["served_name"], tokenizer=tokenizer_ref,
-        out_dir=out_dir, contents=args.content, concurrency=args.concurrency,
-        prompt_lens=args.prompt_lens, output_len=args.output_len, rounds=args.rounds,
-        warmup=args.warmup, endpoint=args.endpoint, temperature=args.temperature,
-        api_key=args.api_key, tag=uuid.uuid4().hex[:8],
-    )
-    levels = run_sweep(cfg, get_tokenizer(tokenizer_ref, trust_remote_code=trust),
-                       log=lambda line: print(line, file=sys.stderr, flush=True))
-    config, _ = roofline.load_config(profile, args.config)
-    model = roofline.build(config, profile)
+    fields = {f.name for f in dataclasses.fields(SweepConfig)}
+    cfg = SweepConfig(**{**{k: v for k, v in vars(args).items() if k in fields},
+                         "base_url": base_url, "model": profile["model"]["served_name"],
+                         "tokenizer": args.tokenizer or recipe.model_ref(profile),
+                         "out_dir": out_dir, "tag": uuid.uuid4().hex[:8]})
+    tokenizer = get_tokenizer(cfg.tokenizer, trust_remote_code=profile["model"]["trust_remote_code"])
+    levels = run_sweep(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr, flush=True))
+    model = roofline.build(roofline.load_config(profile, args.config)[0], profile)
     for lv in levels:
-        spec = lv.get("spec_decode") or {}
         lv["roofline"] = roofline.predict(
             model, args.bandwidth_gbs, lv["concurrency"], lv["prompt_len"] + cfg.output_len // 2,
-            spec.get("mean_acceptance_length"))
-    return {
-        "kind": RESULT_KIND,
-        "provenance": provenance(profile["name"], server_version(base_url, args.api_key)),
-        "config": {"base_url": base_url, "model": cfg.model, "tokenizer": tokenizer_ref,
-                   "contents": list(cfg.contents), "concurrency": list(cfg.concurrency),
-                   "prompt_lens": list(cfg.prompt_lens), "output_len": cfg.output_len,
-                   "rounds": cfg.rounds, "warmup": cfg.warmup, "endpoint": cfg.endpoint,
-                   "temperature": cfg.temperature, "bandwidth_gbs": args.bandwidth_gbs},
-        "note": args.note,
-        "levels": levels,
-    }
+            (lv["spec_decode"] or {}).get("mean_acceptance_length"))
+    config = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("api_key", "out_dir", "tag")}
+    return {"kind": RESULT_KIND, "provenance": provenance(profile, base_url, args.api_key),
+            "config": {**config, "bandwidth_gbs": args.bandwidth_gbs}, "note": args.note,
+            "levels": levels}
 
 
 def write_outputs(result: dict[str, Any], stem: Path) -> list[Path]:

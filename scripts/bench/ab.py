@@ -5,9 +5,9 @@ machine, and one table of B / A ratios per level (each ratio from this run's two
     python -m scripts.bench.ab --profile spark-2x --launch manual \\
         --a overlay:speculative.runner=overlay --b upstream:speculative.runner=upstream
 
-A configuration is NAME:key=value,... over the profile's keys. `--launch local` starts
+A configuration is NAME:section.key=value,... over the profile. `--launch local` starts
 `scripts/serve.py` with the derived profile and stops it after its sweep; `--launch manual`
-(the Spark pair) waits until you have restarted the pair with the configuration named.
+(the Spark pair) writes the derived profile and waits until the pair runs it.
 """
 
 from __future__ import annotations
@@ -36,10 +36,8 @@ from .__main__ import add_sweep_args, check_args, default_stem, measure, write_o
 RATIOS = [
     ("server decode tok/s", lambda lv: lv["server_decode_tok_s"]),
     ("output tok/s", lambda lv: lv["vllm_bench"]["output_throughput"]),
-    ("TTFT p50", lambda lv: lv["vllm_bench"]["p50_ttft_ms"]),
-    ("TTFT p99", lambda lv: lv["vllm_bench"]["p99_ttft_ms"]),
-    ("ITL p50", lambda lv: lv["vllm_bench"]["p50_itl_ms"]),
-    ("ITL p99", lambda lv: lv["vllm_bench"]["p99_itl_ms"]),
+    *((f"{name} {p}", lambda lv, k=f"{p}_{key}_ms": lv["vllm_bench"][k])
+      for name, key in (("TTFT", "ttft"), ("ITL", "itl")) for p in ("p50", "p99")),
     ("accept len", lambda lv: (report.acceptance([lv]) or {}).get("mean_acceptance_length")),
 ]
 LEVEL_KEY = ("content", "prompt_len", "concurrency")
@@ -54,9 +52,9 @@ def parse_variant(text: str, profile: dict[str, Any]) -> tuple[str, dict[str, An
     for item in filter(None, overrides.split(",")):
         path, eq, value = item.partition("=")
         section, dot, key = path.partition(".")
-        if not (eq and dot) or section not in derived or key not in derived[section]:
+        if not (eq and dot) or key not in derived.get(section, {}):
             raise ValueError(f"configuration {name}: {item!r} is not section.key=value of a "
-                             f"key the profile has")
+                             "key the profile has")
         derived[section][key] = yaml.safe_load(value)
     derived["name"] = f"{profile['name']}-{name}"
     return name, recipe.validate(derived)
@@ -69,13 +67,10 @@ def ratio_table(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for lv_b in b["levels"]:
         lv_a = index.get(tuple(lv_b[k] for k in LEVEL_KEY))
-        if lv_a is None:
-            continue
-        cells = {}
-        for label, get in RATIOS:
-            va, vb = get(lv_a), get(lv_b)
-            cells[label] = vb / va if va and vb is not None else None
-        rows.append({**{k: lv_b[k] for k in LEVEL_KEY}, "ratios": cells})
+        if lv_a is not None:
+            pairs = [(label, get(lv_a), get(lv_b)) for label, get in RATIOS]
+            rows.append({**{k: lv_b[k] for k in LEVEL_KEY}, "ratios": {
+                label: vb / va if va and vb is not None else None for label, va, vb in pairs}})
     return rows
 
 
@@ -83,34 +78,28 @@ def ab_markdown(ab: dict[str, Any]) -> str:
     a, b = ab["a"], ab["b"]
     p = a["result"]["provenance"]
     lines = [
-        f"## A/B: `{b['name']}` / `{a['name']}`, profile `{ab['profile']}`",
-        "",
-        f"- A = {a['name']} ({a['overrides'] or 'the profile as is'}), B = {b['name']} "
-        f"({b['overrides'] or 'the profile as is'}); run one after the other",
-        f"- {p['created_utc']}, commit {p['commit']}{' (dirty)' if p['dirty'] else ''}, "
-        f"client machine {p['gpu'] or p['cpu']}, vLLM {p['vllm_server'] or p['vllm_client']}",
-        "",
+        f"## A/B: `{b['name']}` / `{a['name']}`, profile `{ab['profile']}`", "",
+        *(f"- {side} = {s['name']}: {s['overrides'] or 'the profile as is'}"
+          for side, s in (("A", a), ("B", b))),
+        f"- run one after the other, {p['created_utc']}, commit {p['commit']}"
+        f"{' (dirty)' if p['dirty'] else ''}, client machine {p['gpu'] or p['cpu']}, "
+        f"vLLM {p['vllm_server'] or p['vllm_client']}", "",
         "| content | prompt | C | " + " | ".join(f"{c} B/A" for c, _ in RATIOS) + " |",
         "|---|---:|---:|" + "---:|" * len(RATIOS),
     ]
     for row in ab["ratios"]:
         cells = ["–" if x is None else f"{x:.2f}" for x in row["ratios"].values()]
-        lines.append(f"| {row['content']} | {row['prompt_len']} | {row['concurrency']} | "
-                     + " | ".join(cells) + " |")
+        lines.append(f"| {' | '.join(str(row[k]) for k in LEVEL_KEY)} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
-
-
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    while not _healthy(base_url):
+    while True:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before /health")
         if time.monotonic() > deadline:
@@ -122,8 +111,9 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
 def local_server(profile_file: Path, port: int, log: Path, timeout_s: float) -> Iterator[str]:
     """`scripts/serve.py` for the derived profile, in its own process group, always stopped."""
     base = f"http://127.0.0.1:{port}"
-    if _healthy(base):
-        raise RuntimeError(f"a server already answers on port {port}: stop it (or pass --port)")
+    with contextlib.suppress(RuntimeError):  # raised when nothing answers: the port is free
+        wait_healthy(base, 0)
+        raise ValueError(f"a server already answers on port {port}: stop it (or pass --port)")
     cmd = [sys.executable, str(recipe.REPO / "scripts" / "serve.py"), "--profile",
            str(profile_file), "--", "--port", str(port)]
     with log.open("w") as out:
@@ -151,8 +141,7 @@ def run_variant(args: argparse.Namespace, name: str, profile: dict, stem: Path) 
         port = args.port or profile["serving"]["port"]
         with local_server(profile_file, port, out / "server.log", args.startup_s) as base:
             return measure(args, base, profile, out)
-    input(f"[ab] restart the server pair with configuration {name} ({profile_file}), "
-          "then press Enter: ")
+    input(f"[ab] start the server pair with PROFILE={profile_file} on both nodes, then Enter: ")
     base = args.base_url or f"http://127.0.0.1:{profile['serving']['port']}"
     wait_healthy(base, args.startup_s)
     return measure(args, base, profile, out)
@@ -173,22 +162,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         profile = recipe.load_profile(args.profile)
         check_args(args, profile)
-        variants = [parse_variant(text, profile) for text in (args.a, args.b)]
+        variants = [(text, *parse_variant(text, profile)) for text in (args.a, args.b)]
         stem = default_stem(args, "ab")
-        results = [run_variant(args, name, prof, stem) for name, prof in variants]
+        sides = [{"name": name, "overrides": text.partition(":")[2],
+                  "result": run_variant(args, name, prof, stem)} for text, name, prof in variants]
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"ab: error: {exc}", file=sys.stderr)
         return 2
-    for (name, _), result in zip(variants, results, strict=True):
-        write_outputs(result, stem.with_name(f"{stem.name}-{name}"))
-    sides = [{"name": name, "overrides": text.partition(":")[2], "result": result}
-             for (name, _), text, result in zip(variants, (args.a, args.b), results, strict=True)]
+    for side in sides:
+        write_outputs(side["result"], stem.with_name(f"{stem.name}-{side['name']}"))
     ab = {"kind": "dspark-serving-ab", "profile": args.profile, "a": sides[0], "b": sides[1],
-          "ratios": ratio_table(results[0], results[1])}
+          "ratios": ratio_table(sides[0]["result"], sides[1]["result"])}
     stem.with_suffix(".json").write_text(json.dumps(ab, indent=2) + "\n", encoding="utf-8")
     stem.with_suffix(".md").write_text(ab_markdown(ab), encoding="utf-8")
     print(ab_markdown(ab))
-    print(f"wrote {stem}.json, {stem}.md and {stem}-A/B outputs", file=sys.stderr)
+    print(f"wrote {stem}.json, {stem}.md and the outputs of both sweeps", file=sys.stderr)
     return 0
 
 

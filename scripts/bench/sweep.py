@@ -10,14 +10,15 @@ run before the first level and are in no level's deltas.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import os
 import platform
+import re
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -53,15 +54,12 @@ class SweepConfig:
 def _client_key(api_key: str | None) -> Iterator[None]:
     """vLLM's bench client sends $OPENAI_API_KEY as the bearer token."""
     old = os.environ.get("OPENAI_API_KEY")
-    if api_key:
-        os.environ["OPENAI_API_KEY"] = api_key
+    os.environ.update({"OPENAI_API_KEY": api_key} if api_key else {})
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("OPENAI_API_KEY", None)
-        else:
-            os.environ["OPENAI_API_KEY"] = old
+        os.environ.pop("OPENAI_API_KEY", None)
+        os.environ.update({"OPENAI_API_KEY": old} if old is not None else {})
 
 
 def vllm_bench_argv(cfg: SweepConfig, dataset: Path, n: int, conc: int, out: Path) -> list[str]:
@@ -77,23 +75,27 @@ def vllm_bench_argv(cfg: SweepConfig, dataset: Path, n: int, conc: int, out: Pat
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
-    if cfg.temperature is not None:
-        argv += ["--temperature", str(cfg.temperature)]
-    return argv
+    return argv + (["--temperature", str(cfg.temperature)] if cfg.temperature is not None else [])
 
 
-def run_vllm_bench(argv: list[str], api_key: str | None, log: Path) -> dict[str, Any]:
-    """One `vllm bench serve` through its Python entry point (its printout goes to `log`);
-    its saved JSON."""
+def run_vllm_bench(cfg: SweepConfig, tokenizer: Any, name: str, kind: str, prompt_len: int,
+                   conc: int, n: int) -> dict[str, Any]:
+    """Write the level's prompts (levels/NAME.jsonl), run one `vllm bench serve` on them
+    through its Python entry point (its printout to NAME.log); its saved JSON (NAME.json)."""
     from vllm.benchmarks.serve import add_cli_args, main_async
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    levels = cfg.out_dir / "levels"
+    levels.mkdir(parents=True, exist_ok=True)
+    data = levels / f"{name}.jsonl"
+    content.write_dataset(data, tokenizer, kind, prompt_len, n, f"{cfg.tag}-{name}")
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
-    args = parser.parse_args(argv)
-    with _client_key(api_key), log.open("w") as out, contextlib.redirect_stdout(out):
+    args = parser.parse_args(vllm_bench_argv(cfg, data, n, conc, levels / f"{name}.json"))
+    with _client_key(cfg.api_key), (levels / f"{name}.log").open("w") as out, \
+            contextlib.redirect_stdout(out):
         asyncio.run(main_async(args))
-    return json.loads(Path(args.result_dir, args.result_filename).read_text())
+    return json.loads((levels / f"{name}.json").read_text())
 
 
 def get(base_url: str, path: str, api_key: str | None) -> bytes:
@@ -106,97 +108,60 @@ def get(base_url: str, path: str, api_key: str | None) -> bytes:
 
 def scrape(base_url: str, api_key: str | None) -> dict[str, Any]:
     """Every per-level /metrics series now (None where the server exposes none)."""
-    text = get(base_url, "/metrics", api_key).decode("utf-8", "replace")
-    return prometheus.read_level_snapshot(text)
-
-
-def level_record(
-    key: dict[str, Any], theirs: dict[str, Any], series: dict[str, Any], file: str
-) -> dict[str, Any]:
-    """One level: what vLLM's tool measured (verbatim) and what /metrics counted."""
-    tokens = series.get("tokens")
-    duration = theirs.get("duration") or 0.0
-    decode = tokens["generation"] / duration if tokens and duration > 0 else None
-    return {**key, "vllm_bench": theirs, "vllm_bench_file": file, **series,
-            "server_decode_tok_s": decode}
+    return prometheus.read_level_snapshot(get(base_url, "/metrics", api_key).decode())
 
 
 def run_sweep(cfg: SweepConfig, tokenizer: Any, log=print) -> list[dict[str, Any]]:
-    """Warm up, then every level in order; the level records."""
-    levels_dir = cfg.out_dir / "levels"
-    levels_dir.mkdir(parents=True, exist_ok=True)
+    """Warm up, then every level in order; one record per level: vLLM's JSON (verbatim),
+    the /metrics deltas and the server-counter decode rate."""
     if cfg.warmup:
-        data = levels_dir / "warmup.jsonl"
-        content.write_dataset(data, tokenizer, cfg.contents[0], min(cfg.prompt_lens),
-                              cfg.warmup, f"{cfg.tag}-warmup")
-        run_vllm_bench(vllm_bench_argv(cfg, data, cfg.warmup, cfg.warmup,
-                                       levels_dir / "warmup.json"), cfg.api_key,
-                       levels_dir / "warmup.log")
+        run_vllm_bench(cfg, tokenizer, "warmup", cfg.contents[0], min(cfg.prompt_lens),
+                       cfg.warmup, cfg.warmup)
     records = []
-    for kind in cfg.contents:
-        for plen in cfg.prompt_lens:
-            for conc in cfg.concurrency:
-                name = f"{kind}-p{plen}-c{conc}"
-                log(f"[bench] level {name}")
-                n = cfg.rounds * conc
-                data = levels_dir / f"{name}.jsonl"
-                content.write_dataset(data, tokenizer, kind, plen, n, f"{cfg.tag}-{name}")
-                argv = vllm_bench_argv(cfg, data, n, conc, levels_dir / f"{name}.json")
-                before = scrape(cfg.base_url, cfg.api_key)
-                theirs = run_vllm_bench(argv, cfg.api_key, levels_dir / f"{name}.log")
-                series, problems = prometheus.level_deltas(
-                    before, scrape(cfg.base_url, cfg.api_key))
-                for line in problems:
-                    log(f"[bench] warning: {name}: {line}")
-                key = {"content": kind, "prompt_len": plen, "concurrency": conc,
-                       "num_requests": n, "output_len": cfg.output_len}
-                records.append(level_record(key, theirs, series, f"levels/{name}.json"))
+    for kind, plen, conc in itertools.product(cfg.contents, cfg.prompt_lens, cfg.concurrency):
+        name, n = f"{kind}-p{plen}-c{conc}", cfg.rounds * conc
+        log(f"[bench] level {name}")
+        before = scrape(cfg.base_url, cfg.api_key)
+        theirs = run_vllm_bench(cfg, tokenizer, name, kind, plen, conc, n)
+        series, problems = prometheus.level_deltas(before, scrape(cfg.base_url, cfg.api_key))
+        for line in problems:
+            log(f"[bench] warning: {name}: {line}")
+        tokens, duration = series["tokens"], theirs["duration"]
+        records.append({
+            "content": kind, "prompt_len": plen, "concurrency": conc, "num_requests": n,
+            "output_len": cfg.output_len, "vllm_bench": theirs,
+            "vllm_bench_file": f"levels/{name}.json", **series,
+            "server_decode_tok_s": tokens["generation"] / duration if tokens and duration else None,
+        })
     return records
 
 
 def _run(*cmd: str) -> str | None:
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip() or None
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() or None
 
 
-def provenance(profile: str | None, server_version: str | None) -> dict[str, Any]:
-    """Commit, profile, vLLM versions and the client machine's CPU and GPU."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
+def provenance(profile: dict[str, Any], base_url: str, api_key: str | None) -> dict[str, Any]:
+    """Commit, profile, vLLM versions (server and client) and the client's CPU and GPU."""
     from vllm import __version__ as client_vllm
 
+    try:
+        server = json.loads(get(base_url, "/version", api_key)).get("version")
+    except (OSError, ValueError):
+        server = None
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    git = ("git", "-C", str(recipe.REPO))
     return {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": _run("git", "-C", str(recipe.REPO), "rev-parse", "--short", "HEAD"),
-        "dirty": bool(_run("git", "-C", str(recipe.REPO), "status", "--porcelain",
-                           "--untracked-files=no")),
-        "profile": profile,
-        "profile_config": recipe.load_profile(profile) if profile else None,
-        "vllm_server": server_version,
-        "vllm_client": client_vllm,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        "commit": _run(*git, "rev-parse", "--short", "HEAD"),
+        "dirty": bool(_run(*git, "status", "--porcelain", "--untracked-files=no")),
+        "profile": profile["name"], "profile_config": profile,
+        "vllm_server": server, "vllm_client": client_vllm,
+        "cpu": cpu.group(1) if cpu else platform.processor(), "cpu_count": os.cpu_count(),
         "gpu": _run("nvidia-smi", "--query-gpu=name", "--format=csv,noheader"),
         "host": platform.node(),
     }
-
-
-def server_version(base_url: str, api_key: str | None) -> str | None:
-    try:
-        return json.loads(get(base_url, "/version", api_key)).get("version")
-    except (OSError, ValueError):
-        return None
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4, got {text!r}")
-    return values

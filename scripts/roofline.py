@@ -1,16 +1,13 @@
-"""Memory roofline of DeepSeek-V4 + DSpark decoding: bytes one step reads per GPU, and the
-tokens/s a box's memory bandwidth allows at an acceptance length (an upper bound: compute,
-communication and launch overheads are left out).
+"""Memory roofline of DeepSeek-V4 + DSpark decoding: the bytes one step reads per GPU and the
+tokens/s a box's bandwidth allows at an acceptance length (an upper bound: compute,
+communication and launch overheads are left out). `python -m scripts.roofline --help`.
 
-    python -m scripts.bench.roofline --profile spark-2x --acceptance 2.74,4.4
-
-A step reads every dense weight once (sharded ones 1/TP per GPU), each routed expert the
-step's rows pick once, and each request's KV. Verify rows of one request may all pick the
-same experts or each its own, so a DSpark step is a range: `low` (rows of a request share
-experts, requests route independently) .. `high` (every row routes independently). Sizes
-come from the checkpoint's config.json; dtypes from its quantization_config (FP8 block-scaled
-linears, MXFP4 routed experts when expert_dtype is fp4, bf16 head, gates and compressors);
-TP, k and the KV dtype from the recipe profile.
+A step reads every dense weight once (TP-sharded ones 1/TP per GPU), each routed expert its
+rows pick once, and each request's KV. A DSpark step's verify rows may all pick a request's
+experts or each their own: bytes `low` (rows of a request share experts) .. `high` (every row
+routes independently). Sizes and dtypes (FP8 block-scaled linears, MXFP4 experts when
+expert_dtype is fp4, bf16 head, gates, compressors) come from config.json; TP, k and the KV
+dtype from the recipe profile.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import recipe
+from . import recipe
 
 GB10_GBS = 273.0  # DGX Spark (GB10) LPDDR5x
 BF16, F32 = 2.0, 4.0
@@ -48,23 +45,21 @@ PUBLISHED = {
 
 @dataclass(frozen=True)
 class Model:
-    """Per-GPU bytes of the pieces a step reads."""
+    """Per-GPU bytes of what a step reads, and the sizes that decide how much."""
 
     dense: float  # target weights read once per step, head included
     expert: float  # one routed expert of one layer
-    moe_layers: int
     experts: int
     topk: int
-    kv_slot: float  # bytes per cached token per layer
     layers: list[int]  # compress ratio per target layer
+    kv_slot: float  # bytes per cached token per layer
     window: int
     index_topk: int
     index_dim: int
-    draft_dense: float  # draft weights read once per step, the shared head again included
+    draft_dense: float  # draft weights read once per step, the (shared) head again included
     draft_layers: int
-    draft_kv_slot: float
-    markov: float  # read once per drafted token
-    head: float
+    draft_kv: float  # bytes per windowed token of all draft layers (bf16 rings)
+    markov: float  # Markov head W2, read once per drafted token
     k: int
     tp: int
 
@@ -121,15 +116,15 @@ def build(config: dict, profile: dict) -> Model:
     kv = profile["model"]["kv_cache_dtype"]
     return Model(
         dense=dense, expert=3 * c["moe_intermediate_size"] * H * expert_dtype / tp,
-        moe_layers=L, experts=c["n_routed_experts"], topk=c["num_experts_per_tok"],
+        experts=c["n_routed_experts"], topk=c["num_experts_per_tok"],
         kv_slot=FP8_DS_MLA_SLOT if kv == "fp8_ds_mla" else c["head_dim"] * BF16,
         layers=ratios, window=c["sliding_window"], index_topk=c["index_topk"],
         index_dim=c["index_head_dim"],
         draft_dense=(draft_layers * _layer(c, lin, 0, tp) + taps * H * H * lin + head + hc_head)
         if dspark else 0.0,
-        draft_layers=draft_layers if dspark else 0, draft_kv_slot=c["head_dim"] * BF16,
+        draft_layers=draft_layers if dspark else 0, draft_kv=draft_layers * c["head_dim"] * BF16,
         markov=V * c.get("dspark_markov_rank", 0) * BF16 if dspark else 0.0,
-        head=head, k=spec["num_speculative_tokens"] if dspark else 0, tp=tp,
+        k=spec["num_speculative_tokens"] if dspark else 0, tp=tp,
     )  # fmt: skip
 
 
@@ -155,13 +150,13 @@ def step_bytes(m: Model, concurrency: int, context: int, speculative: bool) -> t
     """(low, high) bytes per GPU of one step serving `concurrency` requests."""
     target = m.dense + concurrency * kv_bytes(m, context)
     if not speculative or not m.k:
-        return (target + m.moe_layers * m.expert * distinct_experts(m, concurrency),) * 2
+        return (target + len(m.layers) * m.expert * distinct_experts(m, concurrency),) * 2
     draft = (m.draft_dense + m.k * m.markov
-             + concurrency * m.draft_layers * min(context, m.window) * m.draft_kv_slot)
+             + concurrency * min(context, m.window) * m.draft_kv)
     out = []
     for rows_t, rows_d in ((concurrency, concurrency),
                            (concurrency * (m.k + 1), concurrency * m.k)):
-        experts = (m.moe_layers * distinct_experts(m, rows_t)
+        experts = (len(m.layers) * distinct_experts(m, rows_t)
                    + m.draft_layers * distinct_experts(m, rows_d)) * m.expert
         out.append(target + draft + experts)
     return out[0], out[1]
@@ -184,64 +179,48 @@ def predict(m: Model, bandwidth_gbs: float, concurrency: int, context: int,
 
 def table(m: Model, bandwidth_gbs: float, concurrency: list[int], context: int,
           acceptance: list[float]) -> str:
-    lines = [
-        "| C | accept len | decode GB/step | decode tok/s | DSpark GB/step | DSpark tok/s "
-        "| DSpark / decode |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = ["| C | accept len | decode GB/step | decode tok/s | DSpark GB/step | DSpark tok/s "
+             "| DSpark / decode |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for conc in concurrency:
-        for tau in acceptance:
+        for tau in acceptance if m.k else [None]:
             p = predict(m, bandwidth_gbs, conc, context, tau)
-            if "tok_s_low" not in p:
-                lines.append(f"| {conc} | – | {p['decode_gb']:.2f} | {p['decode_tok_s']:.1f} "
-                             "| – | – | – |")
-                continue
-            lines.append(
-                f"| {conc} | {tau:.2f} | {p['decode_gb']:.2f} | {p['decode_tok_s']:.1f} "
-                f"| {p['step_gb_low']:.2f} .. {p['step_gb_high']:.2f} "
-                f"| {p['tok_s_low']:.1f} .. {p['tok_s_high']:.1f} "
-                f"| {p['tok_s_low'] / p['decode_tok_s']:.2f} .. "
-                f"{p['tok_s_high'] / p['decode_tok_s']:.2f} |")
+            cells = ["–"] * 4
+            if tau:
+                gain = [p[k] / p["decode_tok_s"] for k in ("tok_s_low", "tok_s_high")]
+                cells = [f"{tau:.2f}", f"{p['step_gb_low']:.2f} .. {p['step_gb_high']:.2f}",
+                         f"{p['tok_s_low']:.1f} .. {p['tok_s_high']:.1f}",
+                         f"{gain[0]:.2f} .. {gain[1]:.2f}"]
+            lines.append(f"| {conc} | {cells[0]} | {p['decode_gb']:.2f} "
+                         f"| {p['decode_tok_s']:.1f} | " + " | ".join(cells[1:]) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1.0:
-        raise argparse.ArgumentTypeError(f"expected numbers >= 1 like 2.74,4.4, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
-    from .sweep import int_list
-
-    ap = argparse.ArgumentParser(prog="python -m scripts.bench.roofline", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m scripts.roofline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="spark-2x", help="recipe profile (default: %(default)s)")
     ap.add_argument("--config", type=Path, help="the checkpoint's config.json (default: the "
                     "profile's local checkpoint or HF cache, else the published sizes)")
-    ap.add_argument("--acceptance", type=_floats, default=[2.74, 4.4],
-                    help="mean acceptance lengths, tokens per step (default: 2.74,4.4)")
-    ap.add_argument("--concurrency", type=int_list, default=(1, 4))
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[2.74, 4.4],
+                    help="mean acceptance lengths, tokens per step (default: 2.74 4.4)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--context", type=int, default=2048, help="tokens in each request's KV")
     ap.add_argument("--bandwidth-gbs", type=float, default=GB10_GBS,
                     help="memory bandwidth per GPU, GB/s (default: GB10, %(default)s)")
     args = ap.parse_args(argv)
     try:
+        if min(args.acceptance) < 1 or min(args.concurrency) < 1 or args.context < 1:
+            raise ValueError("--acceptance must be >= 1, --concurrency and --context >= 1")
         profile = recipe.load_profile(args.profile)
         config, source = load_config(profile, args.config)
         model = build(config, profile)
-    except (recipe.RecipeError, ValueError, KeyError) as exc:
+    except (ValueError, KeyError) as exc:
         print(f"roofline: error: {exc}", file=sys.stderr)
         return 2
     print(f"Roofline for profile {args.profile} (TP={model.tp}, k={model.k}), "
           f"{args.bandwidth_gbs:g} GB/s per GPU, context {args.context} tokens; "
           f"sizes from {source}\n")
-    print(table(model, args.bandwidth_gbs, list(args.concurrency), args.context,
-                args.acceptance))
+    print(table(model, args.bandwidth_gbs, args.concurrency, args.context, args.acceptance))
     return 0
 
 
