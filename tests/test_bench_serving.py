@@ -100,6 +100,7 @@ def fake(tiny_tokenizer):
     app = web.Application()
     app.router.add_get("/metrics", server.metrics)
     app.router.add_get("/version", server.version)
+    app.router.add_get("/health", lambda request: web.Response(text=""))
     app.router.add_post("/v1/completions", server.completions)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -299,3 +300,11 @@ def test_ab_ratios_pair_each_level_with_the_same_level_of_the_other_run():
     assert rows[1]["ratios"]["output tok/s"] == 20.0 / 40.0
     assert rows[1]["ratios"]["accept len"] is None  # B ran without speculation
     assert ab.ratio_table(b, a)[0]["ratios"]["accept len"] is None
+
+
+def test_ab_refuses_a_port_where_a_server_already_answers(fake, tmp_path):
+    port = int(fake.url.rsplit(":", 1)[1])
+    with pytest.raises(ValueError, match=f"already answers on port {port}"):
+        with ab.local_server(tmp_path / "profile.yaml", port, tmp_path / "log", 5):
+            pass
+    assert not (tmp_path / "log").exists()  # nothing was started

@@ -117,7 +117,8 @@ def write_plots(result: dict[str, Any], stem: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for xs, ys, label in series:
             ax.plot(xs, ys, "o-", label=label)
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=chart_title, ylim=(0, None))
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=chart_title, ylim=(0, None),
+               xticks=sorted({x for xs, _, _ in series for x in xs}))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
