@@ -280,6 +280,16 @@ def test_ab_configuration_sets_profile_keys_and_names_bad_ones():
         ab.parse_variant(":speculative.method=none", profile)
 
 
+def test_the_spark_runner_ab_has_a_shipped_profile_on_each_side():
+    """spark-2x-upstream.yaml is spark-2x.yaml with speculative.runner=upstream, nothing else."""
+    spark = recipe.load_profile("spark-2x")
+    for text, shipped in (("overlay:speculative.runner=overlay", "spark-2x"),
+                          ("upstream:speculative.runner=upstream", "spark-2x-upstream")):
+        assert ab.shipped_profile(ab.parse_variant(text, spark)[1]) == shipped
+    assert ab.shipped_profile(ab.parse_variant("k3:speculative.num_speculative_tokens=3",
+                                               spark)[1]) is None
+
+
 def _ab_level(kind, conc, decode, ttft50, accepted):
     bench = {"output_throughput": decode, "p50_ttft_ms": ttft50, "p99_ttft_ms": 2 * ttft50,
              "p50_itl_ms": 10.0, "p99_itl_ms": 20.0}

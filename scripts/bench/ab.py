@@ -7,7 +7,7 @@ machine, and one table of B / A ratios per level (each ratio from this run's two
 
 A configuration is NAME:section.key=value,... over the profile. `--launch local` starts
 `scripts/serve.py` with the derived profile and stops it after its sweep; `--launch manual`
-(the Spark pair) writes the derived profile and waits until the pair runs it.
+(the Spark pair) names the shipped profile that equals it and waits until the pair runs it.
 """
 
 from __future__ import annotations
@@ -58,6 +58,15 @@ def parse_variant(text: str, profile: dict[str, Any]) -> tuple[str, dict[str, An
         derived[section][key] = yaml.safe_load(value)
     derived["name"] = f"{profile['name']}-{name}"
     return name, recipe.validate(derived)
+
+
+def shipped_profile(derived: dict[str, Any]) -> str | None:
+    """The shipped profile equal to `derived` but for name and description (what the image of
+    a Spark pair can run by setting PROFILE), if any."""
+    def keys(p: dict) -> dict:
+        return {k: v for k, v in p.items() if k not in ("name", "description")}
+    return next((n for n in recipe.list_profiles() if keys(recipe.load_profile(n)) == keys(derived)),
+                None)
 
 
 def ratio_table(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
@@ -141,7 +150,10 @@ def run_variant(args: argparse.Namespace, name: str, profile: dict, stem: Path) 
         port = args.port or profile["serving"]["port"]
         with local_server(profile_file, port, out / "server.log", args.startup_s) as base:
             return measure(args, base, profile, out)
-    input(f"[ab] start the server pair with PROFILE={profile_file} on both nodes, then Enter: ")
+    shipped = shipped_profile(profile)
+    where = f"PROFILE={shipped}" if shipped else \
+        f"a profile like {profile_file} (add it to recipe/profiles/, rebuild the image)"
+    input(f"[ab] restart the server pair with {where} in docker/.env, then press Enter: ")
     base = args.base_url or f"http://127.0.0.1:{profile['serving']['port']}"
     wait_healthy(base, args.startup_s)
     return measure(args, base, profile, out)
