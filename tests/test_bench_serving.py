@@ -302,7 +302,8 @@ def _ab_level(kind, conc, decode, ttft50, accepted):
 def test_ab_ratios_pair_each_level_with_the_same_level_of_the_other_run():
     a = {"levels": [_ab_level("code", 1, 40.0, 50.0, 10), _ab_level("code", 4, 80.0, 60.0, 20),
                     _ab_level("math", 1, 30.0, 40.0, 5)]}
-    b = {"levels": [_ab_level("code", 4, 100.0, 30.0, None), _ab_level("code", 1, 20.0, 100.0, None)]}
+    b = {"levels": [_ab_level("code", 4, 100.0, 30.0, None),
+                    _ab_level("code", 1, 20.0, 100.0, None)]}
     rows = ab.ratio_table(a, b)
     assert [(r["content"], r["concurrency"]) for r in rows] == [("code", 4), ("code", 1)]
     assert rows[0]["ratios"]["server decode tok/s"] == 100.0 / 80.0

@@ -95,8 +95,8 @@ def test_distinct_experts_matches_a_simulation():
 def test_step_ranges_and_predicted_rates():
     m = tiny()
     decode_low, decode_high = roofline.step_bytes(m, 1, 64, speculative=False)
-    assert decode_low == decode_high == (m.dense + roofline.kv_bytes(m, 64)
-                                         + len(m.layers) * m.expert * roofline.distinct_experts(m, 1))
+    experts = len(m.layers) * m.expert * roofline.distinct_experts(m, 1)
+    assert decode_low == decode_high == m.dense + roofline.kv_bytes(m, 64) + experts
     low, high = roofline.step_bytes(m, 2, 64, speculative=True)
     assert decode_high < low < high
     p = roofline.predict(m, 100.0, 2, 64, acceptance_length=3.0)

@@ -70,7 +70,8 @@ def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
                          "base_url": base_url, "model": profile["model"]["served_name"],
                          "tokenizer": args.tokenizer or recipe.model_ref(profile),
                          "out_dir": out_dir, "tag": uuid.uuid4().hex[:8]})
-    tokenizer = get_tokenizer(cfg.tokenizer, trust_remote_code=profile["model"]["trust_remote_code"])
+    trust = profile["model"]["trust_remote_code"]
+    tokenizer = get_tokenizer(cfg.tokenizer, trust_remote_code=trust)
     levels = run_sweep(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr, flush=True))
     model = roofline.build(roofline.load_config(profile, args.config)[0], profile)
     for lv in levels:

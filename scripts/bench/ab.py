@@ -65,8 +65,8 @@ def shipped_profile(derived: dict[str, Any]) -> str | None:
     a Spark pair can run by setting PROFILE), if any."""
     def keys(p: dict) -> dict:
         return {k: v for k, v in p.items() if k not in ("name", "description")}
-    return next((n for n in recipe.list_profiles() if keys(recipe.load_profile(n)) == keys(derived)),
-                None)
+    names = recipe.list_profiles()
+    return next((n for n in names if keys(recipe.load_profile(n)) == keys(derived)), None)
 
 
 def ratio_table(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:

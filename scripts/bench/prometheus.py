@@ -23,7 +23,8 @@ SPEC_COUNTERS = {
 }
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 # vLLM's token counters: the server-side decode rate (what vLLM's own log line reports).
-TOKEN_COUNTERS = {"generation": "vllm:generation_tokens_total", "prompt": "vllm:prompt_tokens_total"}
+TOKEN_COUNTERS = {"generation": "vllm:generation_tokens_total",
+                  "prompt": "vllm:prompt_tokens_total"}
 
 _SAMPLE_RE = re.compile(
     r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$"

@@ -23,7 +23,8 @@ def acceptance(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
     per_pos = [sum((s["accepted_per_position"] + [0] * width)[k] for s in spec)
                for k in range(width)]
     accepted = sum(s["num_accepted_tokens"] for s in spec)
-    return {"drafts": drafts, "acceptance_rate": accepted / sum(s["num_draft_tokens"] for s in spec),
+    draft_tokens = sum(s["num_draft_tokens"] for s in spec)
+    return {"drafts": drafts, "acceptance_rate": accepted / draft_tokens,
             "mean_acceptance_length": 1.0 + accepted / drafts,
             "per_position": [x / drafts for x in per_pos]}
 
