@@ -170,12 +170,24 @@ def test_prompts_have_the_exact_length_and_end_with_their_sample(tiny_tokenizer,
         content.exact_prompt(tok, "[request code x-0]\n", "def f(): pass", 3)
 
 
-def test_unknown_content_type_is_a_clear_error(capsys, tmp_path):
-    argv = ["--base-url", "http://127.0.0.1:9", "--content", "code", "haiku", "--out-dir",
-            str(tmp_path)]
-    assert bench_cli.main(argv) == 2
-    assert "content type 'haiku'" in capsys.readouterr().err
+@pytest.mark.parametrize("args,message", [
+    (["--content", "code", "haiku"], "content type 'haiku'"),
+    (["--concurrency", "1", "4", "1"], "--concurrency: 1 4 1 repeats a value"),
+    (["--prompt-lens", "500"], "exceed the profile's max_model_len 512"),
+    (["--base-url", "http://127.0.0.1:9"], "http://127.0.0.1:9/metrics: "),
+])
+def test_bad_arguments_and_an_unreachable_server_are_clear_errors(args, message, capsys,
+                                                                    tmp_path):
+    assert bench_cli.main([*args, "--out-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_a_wrong_api_key_is_named_before_anything_runs(fake, capsys, tmp_path):
+    argv = ["--base-url", fake.url, "--api-key", "not-the-key", "--out-dir", str(tmp_path)]
+    assert bench_cli.main(argv) == 2
+    assert "401" in capsys.readouterr().err and fake.bodies == []
+    assert not any(tmp_path.iterdir())
 
 
 def test_content_acceptance_sums_counters_over_levels():

@@ -19,7 +19,7 @@ from typing import Any
 from .. import recipe, roofline
 from . import content
 from .report import markdown, write_plots
-from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep
+from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep, scrape
 
 
 def add_sweep_args(ap: argparse.ArgumentParser) -> None:
@@ -54,6 +54,10 @@ def check_args(args: argparse.Namespace, profile: dict[str, Any]) -> None:
             or args.warmup < 0:
         raise ValueError("--concurrency and --prompt-lens must be >= 1, --output-len >= 2, "
                          "--rounds >= 1 and --warmup >= 0")
+    for flag, values in (("--content", args.contents), ("--concurrency", args.concurrency),
+                         ("--prompt-lens", args.prompt_lens)):
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag}: {' '.join(map(str, values))} repeats a value")
     limit = profile["serving"]["max_model_len"]
     if max(args.prompt_lens) + args.output_len > limit:
         raise ValueError(f"--prompt-lens {max(args.prompt_lens)} + --output-len "
@@ -65,6 +69,11 @@ def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
     """Run the sweep against `base_url`; the result, a roofline beside every level."""
     from vllm.tokenizers import get_tokenizer
 
+    try:  # before anything is written: a server that is down or wants another key
+        scrape(base_url, args.api_key)
+    except OSError as exc:
+        raise ValueError(f"{base_url}/metrics: {exc} (is the server up, and the API key "
+                         "its key?)") from exc
     fields = {f.name for f in dataclasses.fields(SweepConfig)}
     cfg = SweepConfig(**{**{k: v for k, v in vars(args).items() if k in fields},
                          "base_url": base_url, "model": profile["model"]["served_name"],
