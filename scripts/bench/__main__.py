@@ -79,11 +79,11 @@ def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
                          "base_url": base_url, "model": profile["model"]["served_name"],
                          "tokenizer": args.tokenizer or recipe.model_ref(profile),
                          "out_dir": out_dir, "tag": uuid.uuid4().hex[:8]})
+    model = roofline.build(roofline.load_config(profile, args.config)[0], profile)
     trust = profile["model"]["trust_remote_code"]
     tokenizer = get_tokenizer(cfg.tokenizer, trust_remote_code=trust)
     levels = run_sweep(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr, flush=True))
-    model = roofline.build(roofline.load_config(profile, args.config)[0], profile)
-    for lv in levels:
+    for lv in levels:  # context: the prompt and half the output, the mean over a request
         lv["roofline"] = roofline.predict(
             model, args.bandwidth_gbs, lv["concurrency"], lv["prompt_len"] + cfg.output_len // 2,
             (lv["spec_decode"] or {}).get("mean_acceptance_length"))
