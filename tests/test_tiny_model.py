@@ -323,5 +323,8 @@ def test_tokenizer_carries_the_tokens_deepseek_v4s_encoder_and_parser_need(dspar
     for marker in set(mtm.CHAT_TOKENS):
         ids = tok.encode(f"a{marker}b", add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=True) == f"a{marker}b"
-    assert set(mtm.CHAT_TOKENS) <= parser
+    assert {m for m in mtm.CHAT_TOKENS if m.startswith("<")} <= parser
+    assert mtm.CHAT_TOKENS[-1] == enc.dsml_token
+    # Inside a tag the DSML marker is one token; a block marker stays one token.
+    assert len(tok.encode(f'<{enc.dsml_token}invoke name="f">', add_special_tokens=False)) < 12
     assert len(tok) == json.loads((dspark / "config.json").read_text())["vocab_size"]
