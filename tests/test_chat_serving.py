@@ -23,6 +23,7 @@ import jsonschema
 import pytest
 from bench.prometheus import spec_decode_counters
 from conftest import REPO
+from support import grammar_oracle as grammar
 from teacher_forcing import EPSILON_NATS
 
 openai = pytest.importorskip("openai")
@@ -221,6 +222,7 @@ THINKING = [
     ("on-budget", {"thinking_token_budget": 6}, True),
     ("on", {}, True),
     ("off", NO_THINKING, False),
+    ("off-by-effort", {"reasoning_effort": "none"}, False),
 ]
 
 
@@ -243,7 +245,7 @@ def test_reasoning_is_separated_by_the_thinking_mode(server, tokenizer, case, ex
         assert details["reasoning_tokens"] == 6 and reasoning and content
     elif case == "on":
         assert reasoning and details["reasoning_tokens"] > 0
-    else:
+    else:  # off: no reasoning, whatever the random model writes is content
         assert content and details["reasoning_tokens"] == 0
 
 
@@ -292,14 +294,6 @@ def test_what_speculation_refuses_is_a_clear_400(client, case, params, message):
     assert err.value.status_code == 400 and message in str(err.value)
 
 
-GRAMMAR_SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "sunny": {"type": "boolean"}}, "required": ["city", "days", "sunny"],
-    "additionalProperties": False}
-GRAMMAR_REGEX = r"(Paris|Tokyo|Lima), [1-7] days?, (sun|rain|snow)( and (sun|rain|snow))*\."
-
-
 def _constrained_greedy(server, tokenizer, kind: str) -> tuple[list[int], list[int]]:
     """(prompt ids, emitted ids) of one greedy request under a grammar, the two ways clients
     ask: a chat response_format with thinking off, a completion under structured_outputs.
@@ -309,64 +303,38 @@ def _constrained_greedy(server, tokenizer, kind: str) -> tuple[list[int], list[i
         reply = _post(server, "/v1/chat/completions", {
             "model": MODEL, "messages": ASK, "max_tokens": 40, "temperature": 0,
             "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "weather", "schema": GRAMMAR_SCHEMA}},
+                                "json_schema": {"name": "weather", "schema": grammar.SCHEMA}},
             "return_token_ids": True, **NO_THINKING})
         return reply["prompt_token_ids"], reply["choices"][0]["token_ids"]
     prompt = tokenizer.encode("Weather report:</think>")
     choice = _post(server, "/v1/completions", {
         "model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0,
-        "structured_outputs": {"regex": GRAMMAR_REGEX}, "return_token_ids": True})["choices"][0]
+        "structured_outputs": {"regex": grammar.REGEX}, "return_token_ids": True})["choices"][0]
     return prompt, choice["token_ids"]
 
 
-def _grammar_matcher(tokenizer, vocab_size: int, kind: str):
-    """xgrammar compiled as vLLM's xgrammar backend compiles it (default options)."""
-    import xgrammar as xgr
-
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer,
-                                                                      vocab_size=vocab_size))
-    compiled = (compiler.compile_json_schema(json.dumps(GRAMMAR_SCHEMA), any_whitespace=True)
-                if kind == "json" else compiler.compile_regex(GRAMMAR_REGEX))
-    return xgr, xgr.GrammarMatcher(compiled)
-
-
-@pytest.mark.parametrize("kind", ["json", "regex"])
+@pytest.mark.parametrize("kind", grammar.GRAMMARS)
 def test_greedy_under_a_grammar_is_the_targets_best_allowed_token(server, tokenizer, kind):
     """Lossless under a grammar, by teacher forcing. DSpark decodes greedily under the
     constraint; the target then scores prompt + output in one prefill (the server's prompt
     logprobs over the whole vocabulary: a target forward, no draft involved). At each emitted
     position an independent xgrammar matcher, walked over the emitted tokens, gives the allowed
-    set A. Exact: every emitted token is in A. Scored: its deficit, max over A of the target's
-    logprob minus its own, stays within EPSILON_NATS (bf16 batch-shape noise)."""
+    set A (support/grammar_oracle.py). Exact: every emitted token is in A. Scored: its deficit,
+    max over A of the target's logprob minus its own, stays within EPSILON_NATS."""
     vocab = json.loads((MODEL_DIR / "config.json").read_text())["vocab_size"]
     prompt, emitted = _constrained_greedy(server, tokenizer, kind)
     assert emitted
     scored = _post(server, "/v1/completions", {
         "model": MODEL, "prompt": prompt + emitted, "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": vocab})["choices"][0]["prompt_logprobs"]
-    xgr, matcher = _grammar_matcher(tokenizer, vocab, kind)
-    bitmask = xgr.allocate_token_bitmask(1, vocab)
-    deficits = []
-    for j, token in enumerate(emitted):
-        matcher.fill_next_token_bitmask(bitmask)
-        allowed = _allowed_ids(xgr, bitmask, vocab)
-        assert token in allowed, (j, token)
-        assert matcher.accept_token(token), (j, token)
-        position = {int(t): v["logprob"] for t, v in scored[len(prompt) + j].items()}
-        assert allowed <= position.keys(), (j, "prompt logprobs must cover the vocabulary")
-        deficits.append(max(position[a] for a in allowed) - position[token])
+    allowed = grammar.allowed_sets(tokenizer, vocab, kind, emitted)
+    assert len(allowed) == len(emitted), f"token {len(allowed)} is not allowed by the grammar"
+    positions = [{int(t): v["logprob"] for t, v in scored[len(prompt) + j].items()}
+                 for j in range(len(emitted))]
+    deficits = grammar.grammar_deficits(positions, emitted, allowed)
     worst = max(deficits)
     print(f"{kind}: {len(emitted)} tokens, worst deficit {worst:.4f} nats, epsilon {EPSILON_NATS}")
     assert worst <= EPSILON_NATS, deficits
-
-
-def _allowed_ids(xgr, bitmask, vocab: int) -> set[int]:
-    """The token ids a filled xgrammar bitmask lets through."""
-    import torch
-
-    logits = torch.zeros(1, vocab)
-    xgr.apply_token_bitmask_inplace(logits, bitmask)
-    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
 
 
 def test_dspark_drafted_for_these_requests(server, spec_before):
