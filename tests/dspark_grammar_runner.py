@@ -111,7 +111,8 @@ def main() -> int:
     plain = {**engine_kwargs(args.model, None, speculative=False), "max_logprobs": -1}
     with PlainTarget(plain) as target:
         engine = make_engine({**engine_kwargs(args.model, None, speculative=True),
-                              "structured_outputs_config": {"disable_any_whitespace": True}})
+                              "structured_outputs_config": {"backend": "xgrammar",
+                                                            "disable_any_whitespace": True}})
         drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
         result = {"own": run_once(engine, drafter, all_prompts)}
         replay = ReplayedDrafts(all_prompts, result["own"]["outputs"], vocab)
