@@ -331,12 +331,10 @@ def test_fp8_nope_roundtrip_keeps_rope_dims_and_is_idempotent():
     assert rel.max() < 0.15
 
 
-def test_unknown_draft_weight_is_refused(draft_env):
+def test_unknown_draft_weight_is_refused_without_touching_the_draft(draft_env):
     draft, _, _ = draft_env
     with pytest.raises(ValueError, match="does not have"):
         draft.load_weights([("mtp.0.attn.not_a_weight", torch.zeros(1))])
-    # Target weights and stages past the draft's depth are not the draft's: skipped.
-    assert draft.load_weights([("layers.0.attn.wkv.weight", torch.zeros(1))]) == set()
 
 
 OVERLAY_DSPARK_MODULES = (
