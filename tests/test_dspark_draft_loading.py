@@ -71,6 +71,11 @@ def test_a_tensor_missing_from_the_checkpoint_is_named(checkpoint, monkeypatch):
     weights = [(n, t) for n, t in _mtp(tensors) if n != "mtp.1.attn.wo_b.weight"]
     with pytest.raises(ValueError, match=r"1 parameter\(s\): layers\.1\.attn\.wo_b\.weight"):
         draft.load_weights(weights)
+    # One expert missing: its fused parameter is written by the others, the expert is named.
+    draft = _new_draft(vc, monkeypatch)
+    weights = [(n, t) for n, t in _mtp(tensors) if n != "mtp.1.ffn.experts.5.w3.weight"]
+    with pytest.raises(ValueError, match=r"1 parameter\(s\): layers\.1\.ffn\.experts\.5\.w3\.weight"):
+        draft.load_weights(weights)
     # The whole checkpoint loads every parameter.
     draft = _new_draft(vc, monkeypatch)
     assert draft.load_weights(_mtp(tensors)) == {n for n, _ in draft.named_parameters()}

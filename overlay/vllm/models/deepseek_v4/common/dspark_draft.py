@@ -114,6 +114,7 @@ class DraftContext:
 _STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _HEAD_PARAMS = ("norm.", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.")
 _EXPERT_SCALE = re.compile(r"\.experts\.\d+\.w[123]\.scale$")
+_FUSED_EXPERT_PARAM = re.compile(r"^(layers\.\d+\.ffn)\.experts\..*\b(w13|w2)_(weight(?:_scale(?:_inv)?)?)$")
 
 
 class DSparkDeepseekV4Draft(nn.Module):
@@ -372,6 +373,7 @@ class DSparkDeepseekV4Draft(nn.Module):
         )
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        seen_experts: set[str] = set()
         saw_confidence = False
         for ckpt_name, tensor in weights:
             name = self._map_name(ckpt_name)
@@ -379,6 +381,7 @@ class DSparkDeepseekV4Draft(nn.Module):
                 continue
             saw_confidence |= name.startswith("confidence_head.")
             if ".ffn.experts." in name:
+                seen_experts.add(name)
                 loaded |= self._load_expert(ckpt_name, name, tensor, params, expert_mapping)
                 continue
             if ".shared_experts." in name:
@@ -407,13 +410,31 @@ class DSparkDeepseekV4Draft(nn.Module):
             self.confidence_head = None
             loaded = {n for n in loaded if not n.startswith("confidence_head.")}
         missing = sorted(set(dict(self.named_parameters())) - loaded)
+        missing += sorted(self._expected_expert_tensors() - seen_experts)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(
-                f"DSpark draft: the checkpoint wrote no tensor to {len(missing)} parameter(s): "
+                f"DSpark draft: the checkpoint wrote nothing to {len(missing)} parameter(s): "
                 f"{shown} (a {len(self.layers)}-stage draft expects mtp.0..mtp.{len(self.layers) - 1})"
             )
         return loaded
+
+    def _expected_expert_tensors(self) -> set[str]:
+        """Every routed expert's tensors (mapped names), from the fused expert parameters.
+
+        A fused parameter is written by any of its experts, so each expert is checked on
+        its own: the checkpoint must hold every expert, local to this rank or not.
+        """
+        expected = set()
+        for name, _ in self.named_parameters():
+            m = _FUSED_EXPERT_PARAM.match(name)
+            if m is None:
+                continue
+            ffn, fused, suffix = m.groups()
+            for expert in range(self.config.n_routed_experts):
+                for proj in ("w1", "w3") if fused == "w13" else ("w2",):
+                    expected.add(f"{ffn}.experts.{expert}.{proj}.{suffix}")
+        return expected
 
     @staticmethod
     def _param(params: dict[str, nn.Parameter], ckpt_name: str, name: str) -> nn.Parameter:
