@@ -34,6 +34,35 @@ def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = Non
     return path
 
 
+REAL_FORMAT_MODEL = REPO / "models" / "tiny-dsv4-dspark-real"
+REAL_FORMAT_TWIN = REPO / "models" / "tiny-dsv4-dspark-real-twin"
+
+
+def ensure_real_format_models() -> tuple[Path, Path]:
+    """The tiny checkpoint in the published FP8/MXFP4 format and its exact bf16 twin."""
+    if not ((REAL_FORMAT_MODEL / "config.json").exists() and (REAL_FORMAT_TWIN / "config.json").exists()):
+        import subprocess
+        import sys
+
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tiny_model.py"),
+                "--dspark",
+                "--format",
+                "real",
+                "--quiet",
+                "--force",
+                "--out",
+                str(REAL_FORMAT_MODEL),
+                "--bf16-twin",
+                str(REAL_FORMAT_TWIN),
+            ],
+            check=True,
+        )
+    return REAL_FORMAT_MODEL, REAL_FORMAT_TWIN
+
+
 _DIST = {"ready": False}
 
 
