@@ -20,9 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-import time
-
-from dspark_e2e_runner import add_all, drive, engine_kwargs, make_engine, prompts, score
+from dspark_e2e_runner import engine_kwargs, lossless_phase, make_engine, prompts
 from plain_target import PlainTarget
 
 
@@ -51,25 +49,7 @@ def logprob_gaps(a: list, b: list) -> dict:
     return {"max_abs_diff": worst, "positions": positions, "same_argmax": same_best}
 
 
-REQUESTS = ["L1", "L3", "L5", "L7"]  # 2, 33, 130 and 300 prompt tokens
-MAX_TOKENS = 12
-
-
-def greedy_phase(engine, drafter, target, all_prompts) -> dict:
-    """The requests at once, greedy, scored by the oracle."""
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
-
-    drafter.counters = DSparkCounters()
-    add_all(engine, all_prompts, REQUESTS, MAX_TOKENS)
-    t0 = time.monotonic()
-    outputs, _, steps = drive(engine, lambda _: None)
-    return {
-        "outputs": outputs,
-        "steps": steps,
-        "seconds": time.monotonic() - t0,
-        "counters": drafter.counters.as_dict(),
-        "oracle": score(target, all_prompts, outputs, dict.fromkeys(REQUESTS, MAX_TOKENS)),
-    }
+REQUESTS = ["L1", "L3", "L5", "L7"]  # 2, 33, 130 and 300 prompt tokens, 12 new tokens
 
 
 def main() -> int:
@@ -83,7 +63,7 @@ def main() -> int:
         engine = make_engine(engine_kwargs(args.model, None, speculative=True))
         drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
         result = {"kernels": kernels(drafter.model)}
-        result["lossless"] = greedy_phase(engine, drafter, target, all_prompts)
+        result["lossless"] = lossless_phase(engine, drafter, target, all_prompts, REQUESTS)
         outputs = result["lossless"]["outputs"]
         sequences = [all_prompts[r] + outputs[r] for r in sorted(outputs)]
         real_logprobs = target.prompt_logprobs(sequences, 1)

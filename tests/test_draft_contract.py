@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from support.net import free_port
 
+pytestmark = pytest.mark.dist
+
 TESTS = Path(__file__).resolve().parent
 CONFIG = TESTS / "fixtures" / "dsv4_flash_dspark_config.json"
 SCRIPT = TESTS / "support" / "draft_contract.py"

@@ -218,7 +218,7 @@ def test_draft_from_the_quantised_files_is_the_twin_draft_bit_for_bit(models, mo
             got = cq.dequantize_fp8_block(got.data, scale.data)
         elif name.endswith(("w13_weight", "w2_weight")):
             scale = real_params[f"{name}_scale"]
-            got = torch.stack([vllm_mxfp4_reference(w, s) for w, s in zip(got, scale)])
+            got = torch.stack([vllm_mxfp4_reference(w, s) for w, s in zip(got, scale, strict=True)])
         assert got.dtype == want.dtype and torch.equal(got, want), name
     # The grouped wo_a the attention multiplies with, taken before the FP8 kernel runs.
     for vc, draft in ((real_vc, real), (twin_vc, twin)):

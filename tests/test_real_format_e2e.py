@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from dspark_support import ensure_real_format_models
+from plain_target import ENGINE_ENV_DEFAULTS
 from support.greedy_oracle import EPSILON_NATS
 
 pytestmark = pytest.mark.e2e
@@ -35,12 +36,11 @@ TWIN_SAME_ARGMAX = 0.9
 def report(tmp_path_factory) -> dict:
     real, twin = ensure_real_format_models()
     out = tmp_path_factory.mktemp("real-format") / "report.json"
+    scripts = TESTS.parent / "scripts"
     env = {
         **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "scripts"), str(TESTS)]),
+        **ENGINE_ENV_DEFAULTS,
+        "PYTHONPATH": os.pathsep.join([str(scripts), str(TESTS)]),
     }
     cmd = [sys.executable, str(TESTS / "real_format_e2e_runner.py"), "--model", str(real),
            "--twin", str(twin), "--out", str(out)]

@@ -13,7 +13,6 @@ itself out when a native kernel can serve the layer (``torch_kernel_selected``).
 from __future__ import annotations
 
 import torch
-
 from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
     Fp8BlockScaledMMLinearKernel,
 )

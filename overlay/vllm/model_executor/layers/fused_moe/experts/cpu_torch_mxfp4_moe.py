@@ -15,7 +15,6 @@ cannot run (``torch_kernel_selected``).
 from __future__ import annotations
 
 import torch
-
 from vllm.model_executor.kernels.linear.scaled_mm.cpu_torch import torch_kernel_selected
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsMxfp4
