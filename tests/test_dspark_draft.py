@@ -331,7 +331,7 @@ def test_fp8_nope_roundtrip_keeps_rope_dims_and_is_idempotent():
     assert rel.max() < 0.15
 
 
-def test_unknown_draft_weight_is_refused_without_touching_the_draft(draft_env):
+def test_unknown_draft_weight_is_refused(draft_env):
     draft, _, _ = draft_env
     with pytest.raises(ValueError, match="does not have"):
         draft.load_weights([("mtp.0.attn.not_a_weight", torch.zeros(1))])
