@@ -40,7 +40,7 @@ REAL_FORMAT_TWIN = REPO / "models" / "tiny-dsv4-dspark-real-twin"
 
 def ensure_real_format_models() -> tuple[Path, Path]:
     """The tiny checkpoint in the published FP8/MXFP4 format and its exact bf16 twin."""
-    if not ((REAL_FORMAT_MODEL / "config.json").exists() and (REAL_FORMAT_TWIN / "config.json").exists()):
+    if not all((m / "config.json").exists() for m in (REAL_FORMAT_MODEL, REAL_FORMAT_TWIN)):
         import subprocess
         import sys
 

@@ -114,7 +114,9 @@ class DraftContext:
 _STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _HEAD_PARAMS = ("norm.", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.")
 _EXPERT_SCALE = re.compile(r"\.experts\.\d+\.w[123]\.scale$")
-_FUSED_EXPERT_PARAM = re.compile(r"^(layers\.\d+\.ffn)\.experts\..*\b(w13|w2)_(weight(?:_scale(?:_inv)?)?)$")
+_FUSED_EXPERT_PARAM = re.compile(
+    r"^(layers\.\d+\.ffn)\.experts\..*\b(w13|w2)_(weight(?:_scale(?:_inv)?)?)$"
+)
 
 
 class DSparkDeepseekV4Draft(nn.Module):
@@ -412,10 +414,12 @@ class DSparkDeepseekV4Draft(nn.Module):
         missing = sorted(set(dict(self.named_parameters())) - loaded)
         missing += sorted(self._expected_expert_tensors() - seen_experts)
         if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            more = len(missing) - 8
+            shown = ", ".join(missing[:8]) + (f" and {more} more" if more > 0 else "")
+            last = len(self.layers) - 1
             raise ValueError(
                 f"DSpark draft: the checkpoint wrote nothing to {len(missing)} parameter(s): "
-                f"{shown} (a {len(self.layers)}-stage draft expects mtp.0..mtp.{len(self.layers) - 1})"
+                f"{shown} (a {last + 1}-stage draft expects mtp.0..mtp.{last})"
             )
         return loaded
 

@@ -8,8 +8,9 @@ the even element in the low nibble; ``[E, N, K/32]`` UE8M0 scale bytes), so the 
 use the memory the native kernel's do. Per call the rows are grouped by expert; each
 expert that has rows is expanded to bf16 (exact: e2m1 times a power of two) and runs
 ``silu(gate) * up`` (gate and up clamped by the SwiGLU limit) then the down projection,
-bf16 activations as the native W4A16 kernel. Chosen only where the native kernel
-cannot run (``torch_kernel_selected``).
+bf16 activations as the native W4A16 kernel. Grouping reads the per-expert row counts on
+the host once per call (a CPU kernel; the native one loops over experts too). Chosen only
+where the native kernel cannot run (``torch_kernel_selected``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from vllm.platforms import current_platform
 __all__ = ["E2M1_VALUES", "TorchCPUExpertsMxfp4", "dequantize_mxfp4"]
 
 # e2m1 code -> value: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)
 MXFP4_GROUP = 32
 
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """``packed [..., K/2]`` uint8 and ``scale [..., K/32]`` UE8M0 -> ``[..., K]`` in ``dtype``."""
     if packed.device not in _TABLES:
         _TABLES[packed.device] = torch.tensor(E2M1_VALUES, device=packed.device)
