@@ -423,11 +423,11 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
     return result
 
 
-def lossless_phase(engine, drafter, target, all_prompts) -> dict:
-    """8 concurrent greedy requests of 1..300 tokens with real drafts, scored."""
+def lossless_phase(engine, drafter, target, all_prompts, ids: list[str] | None = None) -> dict:
+    """8 concurrent greedy requests of 1..300 tokens (or ``ids``) with real drafts, scored."""
 
     drafter.reset_counters()
-    ids = [f"L{i}" for i in range(len(LOSSLESS))]
+    ids = ids or [f"L{i}" for i in range(len(LOSSLESS))]
     add_all(engine, all_prompts, ids, 12)
     t0 = time.monotonic()
     outputs, _, steps = drive(engine, lambda _: None)

@@ -72,9 +72,7 @@ class ReplayedDrafts:
 
 
 def run_once(engine, drafter, all_prompts) -> dict:
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
-
-    drafter.counters = DSparkCounters()
+    drafter.reset_counters()
     for rid, kind in KINDS.items():
         engine.add_request(rid, {"prompt_token_ids": all_prompts[rid]}, sampling(kind))
     outputs, _, steps = drive(engine, lambda _: None)

@@ -55,6 +55,35 @@ def run_engine_script(script: str, out: Path, *args: str, timeout: float) -> dic
     return json.loads(out.read_text())
 
 
+REAL_FORMAT_MODEL = REPO / "models" / "tiny-dsv4-dspark-real"
+REAL_FORMAT_TWIN = REPO / "models" / "tiny-dsv4-dspark-real-twin"
+
+
+def ensure_real_format_models() -> tuple[Path, Path]:
+    """The tiny checkpoint in the published FP8/MXFP4 format and its exact bf16 twin."""
+    if not all((m / "config.json").exists() for m in (REAL_FORMAT_MODEL, REAL_FORMAT_TWIN)):
+        import subprocess
+        import sys
+
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tiny_model.py"),
+                "--dspark",
+                "--format",
+                "real",
+                "--quiet",
+                "--force",
+                "--out",
+                str(REAL_FORMAT_MODEL),
+                "--bf16-twin",
+                str(REAL_FORMAT_TWIN),
+            ],
+            check=True,
+        )
+    return REAL_FORMAT_MODEL, REAL_FORMAT_TWIN
+
+
 _DIST = {"ready": False}
 
 

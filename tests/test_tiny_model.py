@@ -233,6 +233,9 @@ def test_empty_output_dir_is_fine_and_failures_leave_nothing(tmp_path, monkeypat
         (["--topk", "4"], "invalid choice"),
         (["--dspark", "--target-layer-ids", "0,3"], "--target-layer-ids must be in"),
         (["--num-heads", "3"], "--num-heads must be even"),
+        (["--bf16-twin", "twin"], "--bf16-twin needs --format real"),
+        (["--dspark", "--format", "real", "--mtp-layers", "2"], "3 stages as published"),
+        (["--dspark", "--format", "real", "--no-confidence-head"], "has a confidence head"),
     ],
 )
 def test_bad_options_are_refused(tmp_path, capsys, args, message):
