@@ -173,7 +173,7 @@ def test_prompts_have_the_exact_length_and_end_with_their_sample(tiny_tokenizer,
 @pytest.mark.parametrize("args,message", [
     (["--content", "code", "haiku"], "content type 'haiku'"),
     (["--concurrency", "1", "4", "1"], "--concurrency: 1 4 1 repeats a value"),
-    (["--prompt-lens", "500"], "exceed the profile's max_model_len 512"),
+    (["--prompt-lens", "2000"], "exceed the profile's max_model_len 2048"),
     (["--base-url", "http://127.0.0.1:9"], "http://127.0.0.1:9/metrics: "),
 ])
 def test_bad_arguments_and_an_unreachable_server_are_clear_errors(args, message, capsys,
