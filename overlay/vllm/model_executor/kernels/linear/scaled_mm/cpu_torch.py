@@ -26,7 +26,12 @@ __all__ = ["TorchCPUFp8BlockScaledMMKernel", "dequantize_fp8_blocks", "torch_ker
 
 
 def torch_kernel_selected(native_available: bool) -> bool:
-    """Whether a CPU op runs the overlay's torch kernel: only where no native one can."""
+    """Whether a CPU op runs the overlay's torch kernel: only where no native one can.
+
+    ``native_available`` already follows the effective ISA and ``DSPARK_CPU_KERNELS``: the
+    native kernels check AMX through torch's CPU probes, which the CPU platform narrows
+    (``vllm/platforms/cpu_kernel_choice.py``), so an ISA cap below AMX or ``torch`` lands here.
+    """
     return not native_available
 
 
