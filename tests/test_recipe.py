@@ -91,7 +91,7 @@ def test_yaml_syntax_error_and_missing_profile(tmp_path):
     broken.write_text("name: [unclosed\n")
     assert "not valid YAML" in cli("validate", str(broken)).stderr
     missing = cli("validate", "no-such-profile")
-    assert missing.returncode == 2 and "known profiles: cpu-tiny, spark-2x" in missing.stderr
+    assert missing.returncode == 2 and "known profiles: cpu-2x, cpu-tiny, spark-2x" in missing.stderr
 
 
 def test_decode_row_limit_allows_exactly_the_limit():
