@@ -246,7 +246,7 @@ prepare() {
     fi
     export_profile_env
     export_vllm_env
-    [[ -n ${API_HOST:-} ]] && node_args+=(--api-host "$API_HOST")
+    if [[ -n ${API_HOST:-} ]]; then node_args+=(--api-host "$API_HOST"); fi
     argv_text=$("$PYTHON" "$RECIPE" render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
         || die "cannot render the serve command from profile '$PROFILE': ${argv_text//$'\n'/; }"
     mapfile -t CMD <<<"$argv_text"
@@ -265,7 +265,9 @@ prepare() {
     local name
     for name in VLLM_HOST_IP NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_IB_HCA \
         NCCL_IB_GID_INDEX NCCL_NET NCCL_DEBUG; do
-        [[ -n ${!name:-} ]] && log "$name=${!name}"
+        # `if`, not `&&`: a failed test as the function's last command would be its status,
+        # and `set -e` would end the container without a word.
+        if [[ -n ${!name:-} ]]; then log "$name=${!name}"; fi
     done
 }
 

@@ -567,6 +567,23 @@ def test_entrypoint_head_execs_the_rendered_command(ep):
     assert "[entrypoint] VLLM_USE_V2_MODEL_RUNNER=0 (profile)" in out
 
 
+def test_entrypoint_starts_with_nccl_debug_unset(ep):
+    """NCCL_DEBUG set nowhere (neither the node nor the profile): the start goes on, for both
+    roles (prepare()'s last log test used to be its exit status, and set -e ended it silently)."""
+    ep.mark()
+    quiet = dict(ep.profile, env={})
+    ep.profile_path.write_text(yaml.safe_dump(quiet))
+    rc, out = ep.run(NCCL_DEBUG=None)
+    assert rc == 0, out
+    assert "NCCL_DEBUG" not in ep.env() and ep.argv()[0] == "serve"
+    ep.host.add_port("rocep1s0f0", "enp1s0f0np0", "0000:01:00.0",
+                     standard_gids("192.168.100.11", "enp1s0f0np0"))
+    rc, out = ep.run("print-command", NCCL_DEBUG=None, NODE_RANK="1",
+                     VLLM_HOST_IP="192.168.100.11", NCCL_IB_HCA="=rocep1s0f0")
+    assert rc == 0, out
+    assert "--headless" in out.splitlines()[-1] and "NCCL_DEBUG" not in out
+
+
 def test_entrypoint_refuses_a_node_runner_that_contradicts_the_profile(ep):
     ep.mark()
     rc, out = ep.run(VLLM_USE_V2_MODEL_RUNNER="1")

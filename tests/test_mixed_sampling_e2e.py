@@ -77,3 +77,10 @@ def test_seeded_sampled_requests_reproduce(run):
     and position (dspark_seeded_noise), so a rerun sees the same drafts."""
     seeded = run["rounds"]["seeded"]
     assert seeded["rerun"] == seeded["outputs"]
+
+
+def test_async_scheduling_runs_where_asked(run):
+    """The async variant ran vLLM's AsyncScheduler (the CPU platform no longer forces it off);
+    the others kept the CPU default, the plain scheduler."""
+    expected = "AsyncScheduler" if run["method"] in runner.ASYNC_SCHEDULING else "Scheduler"
+    assert run["scheduler"] == expected

@@ -58,6 +58,12 @@ SPECULATIVE = {
         "num_speculative_tokens": 4,
         "draft_sample_method": "probabilistic",
     },
+    # as the Sparks run it: vLLM's async scheduler (CPU turns it on only when asked)
+    "dspark-probabilistic-async": {
+        "method": "dspark",
+        "num_speculative_tokens": 4,
+        "draft_sample_method": "probabilistic",
+    },
     "ngram": {
         "method": "ngram",
         "num_speculative_tokens": 4,
@@ -65,6 +71,7 @@ SPECULATIVE = {
         "prompt_lookup_max": 4,
     },
 }
+ASYNC_SCHEDULING = {"dspark-probabilistic-async"}
 
 
 def pattern_prompt(rng: random.Random, length: int) -> list[int]:
@@ -89,7 +96,7 @@ def params(greedy: bool, index: int, seed: int | None = None):
     )
 
 
-def make_llm(model: str, speculative: dict | None):
+def make_llm(model: str, speculative: dict | None, async_scheduling: bool = False):
     from vllm import LLM
 
     return LLM(
@@ -102,6 +109,7 @@ def make_llm(model: str, speculative: dict | None):
         enable_prefix_caching=False,
         seed=0,
         speculative_config=speculative,
+        async_scheduling=async_scheduling,
         disable_log_stats=speculative is None,
     )
 
@@ -173,8 +181,9 @@ def main() -> None:
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    llm = make_llm(args.model, SPECULATIVE[args.method])
+    llm = make_llm(args.model, SPECULATIVE[args.method], args.method in ASYNC_SCHEDULING)
     result = serve(llm)
+    result["scheduler"] = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
