@@ -21,7 +21,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -459,6 +461,9 @@ def test_build_context_allowlist_covers_every_copy():
 FAKE_VLLM = """#!/bin/sh
 printf '%s\\n' "$@" > "$FAKE_VLLM_OUT"
 env > "$FAKE_VLLM_OUT.env"
+echo $$ > "$FAKE_VLLM_OUT.pid"
+# FAKE_VLLM_SLEEP: stay up like a serving vLLM (its child too, as vLLM's workers would)
+if [ -n "${FAKE_VLLM_SLEEP:-}" ]; then sleep "$FAKE_VLLM_SLEEP" & wait; fi
 """
 
 
@@ -632,8 +637,72 @@ def test_entrypoint_worker_waits_for_the_head_then_runs_headless(ep):
     rc, out = ep.run(NODE_RANK="1", MASTER_ADDR=head, VLLM_HOST_IP=worker_ip,
                      NCCL_IB_HCA="=rocep1s0f0", HEAD_WAIT_TIMEOUT_S="1")
     assert rc == 1
-    assert f"the head's master port {head}:{port} did not open within 1s" in out
+    assert f"ERROR: MASTER_ADDR={head}: the head's master port {port} did not open within 1s" in out
     assert ep.argv() is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _start_worker(ep, head: str, **env) -> subprocess.Popen:
+    e = ep.host.env(PYTHONPATH=str(ep.site), VLLM_BIN="vllm", FAKE_VLLM_OUT=str(ep.out),
+                    PROFILE=str(ep.profile_path), DSPARK_HOME=str(REPO), HEAD_WAIT_POLL_S="0.2",
+                    NODE_RANK="1", MASTER_ADDR=head, VLLM_HOST_IP="192.168.100.11",
+                    NCCL_SOCKET_IFNAME="enp1s0f0np0", NCCL_IB_HCA="=rocep1s0f0",
+                    NCCL_NET="Socket", HEAD_WAIT_TIMEOUT_S="20", FAKE_VLLM_SLEEP="120",
+                    HEAD_WATCH_INTERVAL_S="1", HEAD_WATCH_MISSES="2", HEAD_WATCH_GRACE_S="3", **env)
+    return subprocess.Popen([str(ENTRYPOINT)], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["head closes", "SIGTERM"])
+def test_entrypoint_worker_stops_vllm_when_the_head_goes_or_on_sigterm(ep, how):
+    """vLLM's headless worker would wait for a dead head forever: the entrypoint watches the
+    head's master port and stops vLLM's whole process group itself (and forwards SIGTERM)."""
+    head = local_ipv4()
+    if head is None:
+        pytest.skip("no non-loopback IPv4 address to stand in for the head")
+    ep.mark()
+    port = ep.profile["parallel"]["master_port"]
+    pidfile = Path(str(ep.out) + ".pid")
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(64)
+    proc = _start_worker(ep, head)
+    try:
+        _wait_for(pidfile)
+        vllm_pid = int(pidfile.read_text())
+        time.sleep(2.5)  # two probes with the head up: the worker keeps running
+        assert proc.poll() is None and _alive(vllm_pid)
+        if how == "head closes":
+            srv.close()
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        srv.close()
+        if proc.poll() is None:
+            proc.kill()
+    if how == "head closes":
+        assert proc.returncode == 1, out
+        assert f"the head's master port {head}:{port} is closed" in out
+        assert "the head is gone; stopping this worker" in out
+    else:
+        assert proc.returncode == 143, out
+    assert not _alive(vllm_pid)
 
 
 @pytest.mark.parametrize("env, message", [
