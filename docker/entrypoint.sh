@@ -6,8 +6,9 @@
 #                          ALLOW_UNAUTHENTICATED_API=1), unset empty NCCL/vLLM variables, resolve the RoCE v2
 #                          GID index from sysfs, render `vllm serve` from the recipe profile
 #                          (scripts/recipe.py), on a worker wait for the head's master port,
-#                          log the command and exec it (a worker runs it as a child and exits
-#                          1 once the head is gone). EXTRA_ARGS go after the rendered ones.
+#                          log the command and exec it (on a node of a pair: run it as a
+#                          child, exit 1 when it dies by itself or, on the worker, once the
+#                          head is gone). EXTRA_ARGS go after the rendered ones.
 #   print-command          the same checks and rendering, print the command, run nothing.
 #   check-overlay          exit 0 if the installed vLLM carries the overlay marker.
 #   health                 Docker healthcheck: the head's /health answers 200 (the worker
@@ -251,8 +252,13 @@ prepare() {
     local nnodes=${R_NNODES:-1}
     local -a node_args=()
     if ((nnodes > 1)); then
-        "$PYTHON" "$RECIPE" check-env --container --nnodes "$nnodes" \
-            || die "this node's variables are not usable (see above)" "fix them in docker/.env, then make up"
+        local checked problems
+        if ! checked=$("$PYTHON" "$RECIPE" check-env --container --nnodes "$nnodes" 2>&1); then
+            printf '%s\n' "$checked"
+            problems=$(sed -n 's/^FAIL  env  *//p' <<<"$checked" | paste -sd ';' -)
+            die "this node's variables are not usable: ${problems//;/; }" "fix them in docker/.env, then make up"
+        fi
+        printf '%s\n' "$checked"
         node_args=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR")
     fi
     unset_empty
@@ -292,38 +298,50 @@ prepare() {
     done
 }
 
-# vLLM's headless worker never notices that the head went away: it waits for the head's next
-# message forever, and a restarted head cannot form the engine again with it. So on a worker
-# vLLM runs as a child in its own process group while this shell watches the head's
-# torch.distributed store (open for as long as the head's engine lives): once it is closed
-# HEAD_WATCH_MISSES probes in a row, HEAD_WATCH_INTERVAL_S apart, vLLM is stopped (SIGTERM,
-# SIGKILL after HEAD_WATCH_GRACE_S) and the worker exits 1, so the restart policy starts a fresh
-# worker that waits for the head again. SIGTERM/SIGINT to this shell go to vLLM's group.
-serve_worker() {
-    local host=$1 port=$2 interval=${HEAD_WATCH_INTERVAL_S:-3} misses=${HEAD_WATCH_MISSES:-2}
-    local missed=0 rc=0
+# Both nodes of a pair run vLLM as a child in its own process group, for two reasons.
+# The worker: vLLM's headless worker never notices that the head went away (it waits for the
+# head's next message forever), and a restarted head cannot form the engine again with it. So
+# this shell watches the head's torch.distributed store (open as long as the head's engine
+# lives): once it is closed HEAD_WATCH_MISSES probes in a row, HEAD_WATCH_INTERVAL_S apart,
+# vLLM is stopped (SIGTERM, SIGKILL after HEAD_WATCH_GRACE_S) and the worker exits 1.
+# The head: when the worker dies its engine fails at the next collective, but vLLM's API
+# server then shuts down with status 0, which reads as a clean stop. Here vLLM exiting by
+# itself is an error (exit 1); only a stop this shell was asked for (SIGTERM/SIGINT, passed to
+# vLLM's group) exits 143/130. Either way the restart policy starts the node again.
+serve_pair_node() {
+    local watch_host=$1 port=$2 interval=${HEAD_WATCH_INTERVAL_S:-3}
+    local misses=${HEAD_WATCH_MISSES:-2} missed=0 rc=0
     setsid "${CMD[@]}" &
     VLLM_PID=$!
     trap 'stop_vllm TERM; exit 143' TERM
     trap 'stop_vllm INT; exit 130' INT
-    log "worker: vLLM pid $VLLM_PID; watching the head at $host:$port every ${interval}s"
-    while kill -0 "$VLLM_PID" 2>/dev/null; do
-        sleep "$interval" &
-        wait $! || true
-        if port_open "$host" "$port"; then
-            missed=0
-            continue
-        fi
-        missed=$((missed + 1))
-        if ((missed >= misses)); then
-            log "ERROR: the head's master port $host:$port is closed (${missed} probes, ${interval}s apart): the head is gone; stopping this worker"
-            stop_vllm TERM
-            log "worker stopped; restart it after the head (the restart policy does)"
-            exit 1
-        fi
-    done
-    wait "$VLLM_PID" || rc=$?
-    log "vLLM exited with status $rc"
+    if [[ -z $watch_host ]]; then
+        log "head: vLLM pid $VLLM_PID"
+        wait "$VLLM_PID" || rc=$?
+    else
+        log "worker: vLLM pid $VLLM_PID; watching the head at $watch_host:$port every ${interval}s"
+        while kill -0 "$VLLM_PID" 2>/dev/null; do
+            sleep "$interval" &
+            wait $! || true
+            if port_open "$watch_host" "$port"; then
+                missed=0
+                continue
+            fi
+            missed=$((missed + 1))
+            if ((missed >= misses)); then
+                log "ERROR: the head's master port $watch_host:$port is closed (${missed} probes, ${interval}s apart): the head is gone; stopping this worker"
+                stop_vllm TERM
+                log "worker stopped; it must start again after the head (the restart policy does)"
+                exit 1
+            fi
+        done
+        wait "$VLLM_PID" || rc=$?
+    fi
+    if ((rc == 0)); then
+        log "ERROR: vLLM exited by itself (status 0): its engine died, e.g. the other node went away; exiting 1"
+        exit 1
+    fi
+    log "ERROR: vLLM exited with status $rc"
     exit "$rc"
 }
 
@@ -346,9 +364,7 @@ stop_vllm() {
 
 serve() {
     prepare "$@"
-    local worker=0
     if ((${R_NNODES:-1} > 1 && NODE_RANK > 0)); then
-        worker=1
         wait_for_head "$MASTER_ADDR" "${R_MASTER_PORT:?profile has no master port}" "${HEAD_WAIT_TIMEOUT_S:-900}"
     fi
     # The DSpark drafter runs in a worker process: its /metrics series travel through
@@ -360,9 +376,11 @@ serve() {
     fi
     local quoted
     printf -v quoted '%q ' "${CMD[@]}"
-    if ((worker)); then
+    if ((${R_NNODES:-1} > 1)); then
         log "run ${quoted% }"
-        serve_worker "$MASTER_ADDR" "$R_MASTER_PORT"
+        local watch=""
+        if ((NODE_RANK > 0)); then watch=$MASTER_ADDR; fi
+        serve_pair_node "$watch" "$R_MASTER_PORT"
     fi
     log "exec ${quoted% }"
     exec "${CMD[@]}"

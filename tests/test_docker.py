@@ -480,6 +480,9 @@ def local_ipv4() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
+VLLM_RETURNED = "ERROR: vLLM exited by itself (status 0)"
+
+
 @pytest.fixture
 def ep(tmp_path):
     """Run docker/entrypoint.sh against a fake host, a fake vllm package and a fake `vllm`."""
@@ -517,7 +520,13 @@ def ep(tmp_path):
             e = {k: v for k, v in e.items() if v is not None}
             r = subprocess.run([str(ENTRYPOINT), *args], env=e, capture_output=True, text=True,
                                timeout=40)
-            return r.returncode, r.stdout + r.stderr
+            text = r.stdout + r.stderr
+            self.raw_rc = r.returncode
+            # On a node of a pair, vLLM returning by itself is an engine death (exit 1); the
+            # fake one always returns at once, so that exit is reported as 0 ("it ran").
+            if r.returncode == 1 and VLLM_RETURNED in text:
+                return 0, text
+            return r.returncode, text
 
         def argv(self):
             return out.read_text().splitlines() if out.exists() else None
@@ -558,7 +567,11 @@ def test_entrypoint_head_execs_the_rendered_command(ep):
     assert spec["method"] == "dspark"
     # What it runs is in the log, with the overlay and the fabric settings.
     assert "[entrypoint] overlay 0.1.0 (copy) on vLLM 0.32.0" in out
-    assert "[entrypoint] exec vllm serve --model" in out
+    assert "[entrypoint] run vllm serve --model" in out
+    # vLLM returning by itself is an engine death on a node of a pair: exit 1, said so.
+    assert ep.raw_rc == 1 and f"[entrypoint] {VLLM_RETURNED}: its engine died" in out
+    rc, out = ep.run("print-command")
+    assert ep.raw_rc == 0
     assert "NCCL_IB_GID_INDEX=auto resolved from sysfs: 3" in out
     env = ep.env()
     assert env["NCCL_IB_GID_INDEX"] == "3"
