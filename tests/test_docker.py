@@ -18,10 +18,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
-import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
