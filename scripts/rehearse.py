@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -263,12 +264,22 @@ class Rehearsal:
             self.head.host.wrap([PYTHON, "-m", "scripts.rehearsal.load", "stream", "--base-url",
                                  f"http://127.0.0.1:{self.api_port}", "--model", self.model,
                                  "--out", str(out), "--streams", "4"]),
-            env={**self.head.environment()}, stdout=subprocess.PIPE, text=True, cwd=REPO,
+            env=self.head.environment(), stdout=subprocess.PIPE, cwd=REPO,
             start_new_session=True)  # fmt: skip
-        started = 0
-        while started < 4 and client.poll() is None:
-            line = client.stdout.readline()
-            started += line.startswith("started")
+        printed, deadline = b"", time.monotonic() + 300
+        while printed.count(b"started") < 4 and time.monotonic() < deadline:
+            ready, _, _ = select.select([client.stdout], [], [], 5)
+            chunk = os.read(client.stdout.fileno(), 4096) if ready else b""
+            if ready and not chunk:
+                break  # the client ended
+            printed += chunk
+        started = printed.count(b"started")
+        if not self.check("worker killed mid-stream: 4 streams under way before the kill",
+                          started == 4, f"{started} started"):
+            os.killpg(client.pid, signal.SIGKILL)
+            client.wait()
+            self.stop_all()
+            return
         self.worker.kill(signal.SIGKILL)
         t0 = time.monotonic()
         took = self.wait_exit(self.head, FAULT_BOUNDS_S[name], t0)

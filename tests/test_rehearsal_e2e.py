@@ -39,6 +39,7 @@ MUST_PASS = [
     "both restarted, worker first: the worker started first waits for the head",
     "both restarted, worker first: the pair forms, /health 200",
     "both restarted: smoke passes again",
+    "worker killed mid-stream: 4 streams under way before the kill",
     "worker killed mid-stream: head exits after the worker died (non-zero) within 60s",
     "worker killed mid-stream: the 4 in-flight requests got an error",
     "head killed: the worker exits on its own (non-zero) within 30s",
