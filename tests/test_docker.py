@@ -297,6 +297,8 @@ MALFORMED = [
     ({"STOP_GRACE_PERIOD": "30"}, "STOP_GRACE_PERIOD='30' is not a duration"),
     ({"HEALTH_START_PERIOD": "long"}, "HEALTH_START_PERIOD='long' is not a duration"),
     ({"HEAD_WAIT_TIMEOUT_S": "soon"}, "HEAD_WAIT_TIMEOUT_S='soon' is not a number of seconds"),
+    ({"HEAD_WATCH_INTERVAL_S": "0"}, "HEAD_WATCH_INTERVAL_S='0' is not a whole number of seconds"),
+    ({"HEAD_WATCH_MISSES": "two"}, "HEAD_WATCH_MISSES='two' is not a count above 0"),
     ({"CONTAINER_UID": "vllm"}, "CONTAINER_UID='vllm' is not a numeric id"),
     ({"DSPARK_IMAGE": "dspark-vllm@sha256:0123"}, "must be a plain name:tag"),
     ({"VLLM_API_KEY": ""}, "VLLM_API_KEY is empty: the head would serve the model to anyone"),
@@ -314,6 +316,29 @@ def test_check_env_rejects_malformed_values(tmp_path, over, message):
     assert rc == 1, out
     assert message in out
     assert "fix: " in out
+
+
+def test_check_env_loopback_only_under_the_rehearsal_bypass():
+    """`make rehearse --loopback` puts both nodes on 127.0.0.1/127.0.0.2; only the variable it
+    sets (compose never passes it) lets loopback through, with a warning; 0.0.0.0 never."""
+    base = {"PATH": "/usr/bin:/bin", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+            "VLLM_HOST_IP": "127.0.0.2", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "=none"}
+
+    def run(**over):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "recipe.py"), "check-env",
+                            "--container", "--nnodes", "2"], env={**base, **over},
+                           capture_output=True, text=True)
+        return r.returncode, r.stdout + r.stderr
+
+    rc, out = run()
+    assert rc == 1 and "MASTER_ADDR='127.0.0.1' is a loopback/unspecified address" in out
+    rc, out = run(DSPARK_LOOPBACK_REHEARSAL="1")
+    assert rc == 0, out
+    assert "WARN  env      DSPARK_LOOPBACK_REHEARSAL=1: loopback addresses accepted" in out
+    rc, out = run(DSPARK_LOOPBACK_REHEARSAL="1", VLLM_HOST_IP="0.0.0.0")
+    assert rc == 1 and "VLLM_HOST_IP='0.0.0.0' is a loopback/unspecified address" in out
+    compose_text = COMPOSE_FILE.read_text()
+    assert "DSPARK_LOOPBACK_REHEARSAL" not in compose_text
 
 
 def test_check_env_api_key_rules_by_role(tmp_path):
