@@ -946,3 +946,16 @@ def test_smoke_reports_a_wrong_model(ep, stub):
                        env={**os.environ, "VLLM_API_KEY": ""})
     assert r.returncode == 1
     assert "model 'other-model' is not served" in r.stderr
+
+
+def test_compose_lifecycle_matches_the_entrypoint():
+    """A node exits 1 when the other one dies (make rehearse measures it): the default restart
+    policy must start it again, and `docker stop` must wait longer than the entrypoint takes to
+    stop vLLM (its SIGKILL grace) so the group is not killed half-way."""
+    service = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["vllm"]
+    assert service["restart"] == "${RESTART_POLICY:-unless-stopped}"
+    grace = re.search(r"HEAD_WATCH_GRACE_S:-(\d+)", ENTRYPOINT.read_text())
+    stop = re.fullmatch(r"\$\{STOP_GRACE_PERIOD:-(\d+)s\}", service["stop_grace_period"])
+    assert grace and stop and int(stop.group(1)) > int(grace.group(1))
+    for var in ("HEAD_WATCH_INTERVAL_S", "HEAD_WATCH_MISSES", "HEAD_WAIT_TIMEOUT_S"):
+        assert var in service["environment"], var
