@@ -231,3 +231,13 @@ def test_make_serve_exports_the_runner():
     ).stdout
     assert out.startswith("serve: VLLM_USE_V2_MODEL_RUNNER=0 ")
     assert "--attention-backend FLASHINFER_MLA_SPARSE_DSV4" in out
+
+
+@pytest.mark.parametrize("value, flag", [(True, "--async-scheduling"), (False, "--no-async-scheduling")])
+def test_async_scheduling_is_rendered_explicitly(value, flag):
+    """vLLM's default differs by platform (on for DSpark on CUDA, off on CPU): always say it."""
+    profile = _mutate("serving.async_scheduling", value)
+    argv = recipe.serve_argv(profile)
+    assert flag in argv and argv.count("--async-scheduling") + argv.count("--no-async-scheduling") == 1
+    assert recipe.engine_args(profile)["async_scheduling"] is value
+    assert recipe.load_profile("spark-2x")["serving"]["async_scheduling"] is True
