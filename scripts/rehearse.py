@@ -364,10 +364,10 @@ class Rehearsal:
             self.facts["mode"] = ("LOOPBACK: no network namespaces, both nodes on this machine's "
                                   "loopback and /dev/shm (a weaker rehearsal)")  # fmt: skip
             print(f"rehearse: WARNING: {self.facts['mode']}", flush=True)
-        print(f"rehearse: head {self.fabric.head.netns} {self.fabric.head.ip} "
-              f"({self.fabric.head.ifname}), worker {self.fabric.worker.netns} "
-              f"{self.fabric.worker.ip} ({self.fabric.worker.ifname}); files in {self.rundir}",
-              flush=True)  # fmt: skip
+        head, worker = self.fabric.head, self.fabric.worker
+        print(f"rehearse: head {head.netns or 'this host'} {head.ip} ({head.ifname}), worker "
+              f"{worker.netns or 'this host'} {worker.ip} ({worker.ifname}); files in "
+              f"{self.rundir}", flush=True)  # fmt: skip
         load = None
         try:
             if self.args.faults:
