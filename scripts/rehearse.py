@@ -399,7 +399,7 @@ class Rehearsal:
                             "--load", str(self.rundir / "load.json"), "--out", str(out)],
                            env=env, capture_output=True, text=True, cwd=REPO, timeout=900)  # fmt: skip
         if not self.check("plain target (TP=1) scored the greedy outputs", r.returncode == 0,
-                          r.stderr[-800:]):
+                          "" if r.returncode == 0 else r.stderr[-800:]):
             return
         verdict = json.loads(out.read_text())
         self.facts["lossless"] = verdict["summary"]
