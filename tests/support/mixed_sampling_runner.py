@@ -3,7 +3,8 @@
     python tests/support/mixed_sampling_runner.py --method ngram --model DIR --out OUT.json
 
 One process, two engines, in this order: the speculative engine (``--method``: DSpark with
-greedy or probabilistic drafting, or vLLM's ngram) serves the rounds below; then the plain
+greedy or probabilistic drafting, the latter also with async scheduling, or vLLM's ngram)
+serves the rounds below; then the plain
 target without speculation scores every greedy output by teacher forcing. That the second
 engine starts at all is a check too: an ngram engine has loaded numba by then, which crashed
 the CPU kernel-override registration of any later engine before the overlay patched it.
