@@ -50,10 +50,10 @@ HEAD_WATCH = {"HEAD_WATCH_INTERVAL_S": "3", "HEAD_WATCH_MISSES": "2"}
 # Seconds each fault may take before the pair counts as hung (measured values are printed).
 FAULT_BOUNDS_S = {
     # 2 probes 3 s apart (each up to 3 s when the peer is silent) + 10 s stop grace + slack
-    # (measured 15.3 s: vLLM's headless worker does not stop on SIGTERM within the grace)
+    # (measured 14.8-15.3 s: vLLM's headless worker does not stop on SIGTERM within the grace)
     "worker exits after the head died": 30,
     # gloo sees the reset connection at the next collective (at once under load), the engine
-    # dies, the API server shuts down (measured 7.3 s)
+    # dies, the API server shuts down (measured 5.1-7.3 s)
     "head exits after the worker died": 60,
     "in-flight requests end after the worker died": 60,
     # HEAD_WAIT_TIMEOUT_S=6 here, + one last 3 s probe (an absent host never answers) + the

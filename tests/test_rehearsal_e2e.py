@@ -1,7 +1,7 @@
 """`make rehearse` end to end: two network namespaces, the real entrypoint on each, TP=2.
 
-One run of ``python -m scripts.rehearse --faults`` (15 minutes on the 2-core development
-machine under a load average of 15-25; mostly the two start-ups of the pair): the cpu-2x pair forms across the veth link, smoke/health/audit pass, a mixed load
+One run of ``python -m scripts.rehearse --faults`` (7 minutes on the 2-core development
+machine at a load average of 5-10, 11-15 at 15-25; mostly the pair's two start-ups): the pair forms across the veth link, smoke/health/audit pass, a mixed load
 packs prefill across both ranks and its greedy outputs are teacher-forced lossless against
 the plain target at TP=1, seeded sampled requests repeat; then the faults (bad fabric
 settings, the worker killed mid-stream, both restarted worker first, the head killed), each
