@@ -24,7 +24,7 @@ TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
 .PHONY: help setup demo serve test test-fast mutation bench ab lint apply revert check model \
-        image up down logs smoke audit clean
+        image up down logs smoke audit rehearse clean
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -101,6 +101,13 @@ revert: ## take the overlay off the venv's vLLM
 
 check: ## report whether the overlay is applied to the venv's vLLM
 	scripts/apply_overlay.sh --python $(PY) --check
+
+# The two-Spark launch on this machine: two network namespaces as the two nodes, the real
+# docker/entrypoint.sh on each (needs root; README "Rehearsing the two-Spark launch").
+REHEARSE_ARGS ?= --faults
+rehearse: setup model ## the two-Spark launch for real on this machine (root): smoke, audit, load, faults, lossless
+	@if [ "$$(id -u)" = 0 ]; then $(PY) -m scripts.rehearse $(REHEARSE_ARGS); \
+	else echo ">> network namespaces need root: running it with sudo"; sudo $(PY) -m scripts.rehearse $(REHEARSE_ARGS); fi
 
 # ---- Two DGX Sparks (README "Running on two Sparks"); every target acts on this node -----
 SPARK_ENV ?= docker/.env

@@ -146,6 +146,9 @@ SCHEMA: dict[str, Any] = {
         "gpu_memory_utilization": Field((float, int), lo=0.05, hi=1.0),
         "enforce_eager": Field(bool),
         "enable_prefix_caching": Field(bool),
+        # vLLM's async scheduler (the next step is scheduled while this one runs). vLLM 0.32.0
+        # turns it on by default for DSpark on CUDA and off on CPU; rendered explicitly.
+        "async_scheduling": Field(bool),
         "attention_backend": Field(str, choices=tuple(DECODE_ROW_LIMITS)),
         "tool_call_parser": Field(str, choices=CHAT_PARSERS),
         "reasoning_parser": Field(str, choices=CHAT_PARSERS),
@@ -424,6 +427,7 @@ def engine_args(profile: dict, *, speculative: bool = True, demo: bool = False) 
         "max_num_batched_tokens": srv["max_num_batched_tokens"],
         "enforce_eager": srv["enforce_eager"],
         "enable_prefix_caching": srv["enable_prefix_caching"],
+        "async_scheduling": srv["async_scheduling"],
     }
     if m["revision"] != "local":
         kwargs["revision"] = m["revision"]
@@ -471,6 +475,7 @@ def serve_argv(
     argv.append(
         "--enable-prefix-caching" if srv["enable_prefix_caching"] else "--no-enable-prefix-caching"
     )
+    argv.append("--async-scheduling" if srv["async_scheduling"] else "--no-async-scheduling")
     if srv["enforce_eager"]:
         argv.append("--enforce-eager")
     backend = VLLM_ATTENTION_BACKENDS[srv["attention_backend"]]

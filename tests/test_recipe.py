@@ -91,7 +91,7 @@ def test_yaml_syntax_error_and_missing_profile(tmp_path):
     broken.write_text("name: [unclosed\n")
     assert "not valid YAML" in cli("validate", str(broken)).stderr
     missing = cli("validate", "no-such-profile")
-    assert missing.returncode == 2 and "known profiles: cpu-tiny, spark-2x" in missing.stderr
+    assert missing.returncode == 2 and "known profiles: cpu-2x, cpu-tiny, spark-2x" in missing.stderr
 
 
 def test_decode_row_limit_allows_exactly_the_limit():
@@ -321,3 +321,13 @@ def test_each_bad_chat_key_names_the_key(case, path, value, message):
     with pytest.raises(recipe.RecipeError) as err:
         recipe.validate(_mutate(path, value))
     assert message in str(err.value), err.value
+
+
+@pytest.mark.parametrize("value, flag", [(True, "--async-scheduling"), (False, "--no-async-scheduling")])
+def test_async_scheduling_is_rendered_explicitly(value, flag):
+    """vLLM's default differs by platform (on for DSpark on CUDA, off on CPU): always say it."""
+    profile = _mutate("serving.async_scheduling", value)
+    argv = recipe.serve_argv(profile)
+    assert flag in argv and argv.count("--async-scheduling") + argv.count("--no-async-scheduling") == 1
+    assert recipe.engine_args(profile)["async_scheduling"] is value
+    assert recipe.load_profile("spark-2x")["serving"]["async_scheduling"] is True
