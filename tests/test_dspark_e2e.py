@@ -143,6 +143,13 @@ def test_sampled_requests_use_draft_probabilities(dspark):
     assert c["accepted_tokens"] <= c["verified_tokens"]
 
 
+def test_seeded_sampled_requests_over_several_prefill_chunks_repeat(dspark):
+    """Seeds with chunked prefill: the CPU generator is restored, never rewound by offset."""
+    phase = dspark["sampled"]
+    rerun = {f"R{rid[1:]}": toks for rid, toks in phase["rerun"].items()}
+    assert rerun == phase["outputs"]
+
+
 def test_oracle_fails_a_sampler_that_accepts_rejected_drafts(dspark):
     """The deliberately lossy change: every accepted wrong draft is a violation."""
     phase = dspark["lossy"]
