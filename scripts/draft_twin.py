@@ -165,7 +165,9 @@ class DraftTwin(nn.Module):
         q = _rms_norm(q_a, self.p(f"{a}.q_norm.weight"), self.eps) @ self.p(f"{a}.wq_b.weight").t()
         q = q.view(num_blocks, n, self.heads, self.head_dim)
         kv = _rms_norm(kv, self.p(f"{a}.kv_norm.weight"), self.eps)
-        q_kv = rope.rotate(torch.cat([unit_rms_norm(q, self.eps), kv.view(num_blocks, n, 1, -1)], 2))
+        q_kv = rope.rotate(
+            torch.cat([unit_rms_norm(q, self.eps), kv.view(num_blocks, n, 1, -1)], 2)
+        )
         q, block_kv = q_kv.split([self.heads, 1], dim=2)
         block_kv = block_kv.squeeze(2)
         block_kv = _straight_through(block_kv, fp8_nope_roundtrip(block_kv.detach(), self.rope_dim))
@@ -235,14 +237,20 @@ class DraftTwin(nn.Module):
         for j in range(self.num_layers):
             post, comb, h = self._mhc_pre(x, f"mtp.{j}.hc_attn")
             h = self._attention(
-                j, _rms_norm(h, self.p(f"mtp.{j}.attn_norm.weight"), self.eps), rope, ctx_kv[j], key_bias
+                j,
+                _rms_norm(h, self.p(f"mtp.{j}.attn_norm.weight"), self.eps),
+                rope,
+                ctx_kv[j],
+                key_bias,
             )
             x = self._mhc_post(h, x, post, comb)
             post, comb, h = self._mhc_pre(x, f"mtp.{j}.hc_ffn")
             h = self._moe(j, _rms_norm(h, self.p(f"mtp.{j}.ffn_norm.weight"), self.eps))
             x = self._mhc_post(h, x, post, comb)
         head_hidden = self._hc_head(x)
-        logits = _rms_norm(head_hidden, self.p(f"{self.last}.norm.weight"), self.eps) @ self.lm_head.t()
+        logits = (
+            _rms_norm(head_hidden, self.p(f"{self.last}.norm.weight"), self.eps) @ self.lm_head.t()
+        )
         return TwinBlock(
             head_hidden=head_hidden.view(num_blocks, n, -1),
             base_logits=logits.view(num_blocks, n, -1),

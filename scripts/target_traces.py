@@ -7,8 +7,10 @@ over hc streams of each tapped layer's output, exactly the tensors vLLM's DeepSe
 model emits for a drafter) and the target's logits. Nothing of the draft is involved, so
 the traces are the same whatever the draft's weights.
 
-Must run in a process without another vLLM engine (global distributed state), with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the model lives in this process.
+``collect_traces`` must run in a process without another vLLM engine (global distributed
+state), with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so the model lives in that process;
+``collect_traces_in_child`` runs it in a spawned child (the engine also pins the
+process's torch threads, which training should choose itself).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Trace", "collect_traces", "random_prompts"]
+__all__ = ["Trace", "collect_traces", "collect_traces_in_child", "random_prompts"]
 
 
 @dataclass
@@ -66,9 +68,10 @@ def collect_traces(
     prompts: list[list[int]],
     gen_len: int,
     layer_ids: list[int],
-    progress=None,
+    show_progress: bool = True,
 ) -> list[Trace]:
     """Greedy sequences of the target for ``prompts`` with their aux states and logits."""
+    from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
     longest = max(len(p) for p in prompts) + gen_len
@@ -76,23 +79,39 @@ def collect_traces(
     recorders = llm.apply_model(lambda model: _Recorder(model, layer_ids))
     recorder = recorders[0]
     greedy = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    if progress is not None:
-        progress(len(prompts) // 2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=show_progress)
     once = SamplingParams(max_tokens=1, temperature=0.0)
     traces = []
     recorder.recording = True
-    for prompt, out in zip(prompts, outs, strict=True):
+    for prompt, out in tqdm(
+        list(zip(prompts, outs, strict=True)), desc="target traces", disable=not show_progress
+    ):
         seq = list(prompt) + list(out.outputs[0].token_ids)
         recorder.records.clear()
         # One request alone, whole sequence in one chunk: one forward over its L rows.
         llm.generate([{"prompt_token_ids": seq}], once, use_tqdm=False)
-        (aux, logits), = [r for r in recorder.records if r[0].shape[0] == len(seq)][:1]
-        traces.append(
-            Trace(torch.tensor(seq), len(prompt), aux.to(torch.bfloat16), logits)
-        )
-        if progress is not None:
-            progress(1 / 2)
+        ((aux, logits),) = [r for r in recorder.records if r[0].shape[0] == len(seq)][:1]
+        traces.append(Trace(torch.tensor(seq), len(prompt), aux.to(torch.bfloat16), logits))
     recorder.recording = False
     del llm
     return traces
+
+
+def _child(path: str, args: tuple) -> None:
+    torch.save([vars(t) for t in collect_traces(*args)], path)
+
+
+def collect_traces_in_child(*args) -> list[Trace]:
+    """``collect_traces(*args)`` in a spawned child process."""
+    import multiprocessing as mp
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="target-traces-") as tmp:
+        path = str(Path(tmp) / "traces.pt")
+        proc = mp.get_context("spawn").Process(target=_child, args=(path, args))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"collecting target traces failed (child exit {proc.exitcode})")
+        return [Trace(**t) for t in torch.load(path)]

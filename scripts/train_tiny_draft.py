@@ -57,12 +57,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gen-len", type=int, default=160, help="target tokens per sequence")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--blocks", type=int, default=192, help="blocks per training step")
+    p.add_argument("--step-sequences", type=int, default=8, help="sequences the blocks come from")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    # One thread: the step is many small GEMMs; a second OpenMP thread spins more than it
+    # helps when the cores are shared.
+    p.add_argument("--threads", type=int, default=1, help="torch threads for training")
     p.add_argument("--force", action="store_true", help="train again even if recorded")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    for name in ("sequences", "held_out", "gen_len", "steps", "blocks", "threads"):
+    for name in (
+        "sequences",
+        "held_out",
+        "gen_len",
+        "steps",
+        "blocks",
+        "step_sequences",
+        "threads",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not (args.model / "config.json").is_file():
@@ -71,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def settings(args) -> dict:
-    keys = ("seed", "sequences", "held_out", "gen_len", "steps", "blocks", "lr")
+    keys = ("seed", "sequences", "held_out", "gen_len", "steps", "blocks", "step_sequences", "lr")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -97,7 +108,9 @@ class Corpus:
         length = int(self.lengths.max())
         self.tokens = torch.zeros(len(traces), length, dtype=torch.int64)
         self.aux = torch.zeros(len(traces), length, traces[0].aux.shape[1], dtype=torch.bfloat16)
-        self.logits = torch.zeros(len(traces), length, traces[0].logits.shape[1], dtype=torch.bfloat16)
+        self.logits = torch.zeros(
+            len(traces), length, traces[0].logits.shape[1], dtype=torch.bfloat16
+        )
         for i, t in enumerate(traces):
             self.tokens[i, : t.tokens.numel()] = t.tokens
             self.aux[i, : t.tokens.numel()] = t.aux
@@ -220,7 +233,6 @@ def simulate_acceptance(twin, corpus) -> dict:
 
 def train(args, cfg, tensors, train_corpus, bar):
     import torch
-
     from draft_twin import DraftTwin
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -233,7 +245,10 @@ def train(args, cfg, tensors, train_corpus, bar):
         lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        pick = pairs[torch.randint(len(pairs), (args.blocks,), generator=gen)]
+        # Few sequences per step, many anchors in each: their context KV is computed once.
+        chosen = torch.randperm(train_corpus.tokens.shape[0], generator=gen)[: args.step_sequences]
+        candidates = pairs[torch.isin(pairs[:, 0], chosen)]
+        pick = candidates[torch.randint(len(candidates), (args.blocks,), generator=gen)]
         seqs, local = pick[:, 0].unique(return_inverse=True)
         kv_all = sequence_kv(twin, train_corpus, seqs)
         loss, acc = block_loss(twin, train_corpus, pick[:, 0], pick[:, 1], kv_all, local, weights)
@@ -241,7 +256,7 @@ def train(args, cfg, tensors, train_corpus, bar):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
         opt.step()
-        log.append((float(loss), [round(float(a), 3) for a in acc]))
+        log.append((float(loss.detach()), [round(float(a), 3) for a in acc]))
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss):.3f}", slot0=f"{float(acc[0]):.2f}")
     return twin, log
@@ -255,7 +270,9 @@ def write_checkpoint(model_dir: Path, tensors: dict, trained: dict) -> None:
     path = model_dir / "model.safetensors"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file({k: v.contiguous() for k, v in merged.items()}, str(tmp), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in merged.items()}, str(tmp), metadata={"format": "pt"}
+        )
         os.chmod(tmp, path.stat().st_mode & 0o777)
         os.replace(tmp, path)
     finally:
@@ -270,8 +287,10 @@ def main(argv=None) -> int:
     wanted = settings(args)
     record = None if args.force else recorded(model_dir, wanted)
     if record is not None:
-        print(f">> tiny draft already trained ({model_dir / RECORD}): "
-              f"acceptance length {record['held_out']['acceptance_length']:.2f}")
+        print(
+            f">> tiny draft already trained ({model_dir / RECORD}): "
+            f"acceptance length {record['held_out']['acceptance_length']:.2f}"
+        )
         return 0
     cfg = json.loads((model_dir / "config.json").read_text())
     if "dspark_block_size" not in cfg or not cfg.get("enable_confidence_head", False):
@@ -279,16 +298,16 @@ def main(argv=None) -> int:
 
     import torch
     from safetensors.torch import load_file
+    from target_traces import collect_traces_in_child, random_prompts
     from tqdm import tqdm
 
-    from target_traces import collect_traces, random_prompts
-
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)  # Adam's second moments of tiny gradients, else 10x slower
     t0 = time.monotonic()
     total = args.sequences + args.held_out
-    bar = tqdm(total=total, desc="target sequences", disable=args.quiet, unit="seq")
-    prompts = random_prompts(args.seed, total, int(cfg["vocab_size"]), FIRST_ORDINARY_ID, int(cfg["bos_token_id"]))
+    prompts = random_prompts(
+        args.seed, total, int(cfg["vocab_size"]), FIRST_ORDINARY_ID, int(cfg["bos_token_id"])
+    )
     engine = {
         "model": str(model_dir),
         "dtype": "bfloat16",
@@ -297,9 +316,11 @@ def main(argv=None) -> int:
         "max_num_seqs": 64,
         "seed": args.seed,
     }
-    traces = collect_traces(engine, prompts, args.gen_len, list(cfg["dspark_target_layer_ids"]), bar.update)
-    bar.close()
+    print(f">> {total} greedy sequences of the target ({args.gen_len} tokens each)", flush=True)
+    layer_ids = list(cfg["dspark_target_layer_ids"])
+    traces = collect_traces_in_child(engine, prompts, args.gen_len, layer_ids, not args.quiet)
     trace_seconds = time.monotonic() - t0
+    torch.set_num_threads(args.threads)
     tensors = load_file(str(model_dir / "model.safetensors"))
     n = int(cfg["dspark_block_size"])
     train_corpus = Corpus(traces[: args.sequences], n)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from draft_twin import DraftTwin
 from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context
 from vllm.models.deepseek_v4.common.dspark_draft import DraftContext
 from vllm.v1.spec_decode.dspark_ragged import window_mask
-
-from draft_twin import DraftTwin
 
 # Relative to the largest |value| of the overlay's tensor (max) and to its mean |value|
 # (mean): bf16 keeps 8 significant bits, and each of the draft's layers rounds its GEMM
@@ -62,7 +61,10 @@ def test_twin_matches_the_overlay_draft(twin_env):
     with torch.inference_mode(), set_forward_context(None, vc):
         main_x = draft.combine_hidden_states(aux.to(torch.bfloat16))
         kv = draft.context_kv(main_x, positions)  # [T, K, D]
-        caches = [torch.zeros(len(anchors), s.window, s.head_dim, dtype=torch.bfloat16) for _ in draft.layers]
+        caches = [
+            torch.zeros(len(anchors), s.window, s.head_dim, dtype=torch.bfloat16)
+            for _ in draft.layers
+        ]
         cache_pos = torch.full((len(anchors), s.window), -1, dtype=torch.int64)
         for r, p in enumerate(anchors.tolist()):
             cells = torch.arange(max(0, p - s.window), p)
