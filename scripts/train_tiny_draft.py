@@ -9,9 +9,11 @@ objective, on sequences the target itself generates (``target_traces``):
 * blocks ``[anchor, noise x (N-1)]`` at random anchors of the generated part of each
   sequence; slot k is trained towards the target's distribution at position ``p+k``;
 * Markov head teacher-forced on the true previous tokens;
-* loss per slot, weighted ``exp(-k / 4)``: ``0.1 CE(target's token) + 0.9 L1(p_draft -
+* loss per slot, weighted ``exp(-k / 4)``: ``a CE(target's token) + b L1(p_draft -
   p_target) + BCE(confidence, accepted)``, where ``accepted`` is whether greedy
-  verification keeps the slot's draft token (draft argmax == target argmax);
+  verification keeps the slot's draft token (draft argmax == target argmax); DSpark's
+  paper has a = 0.1, b = 0.9 for sampled verification, the default here is a = 1, b = 0.1
+  for the greedy verification the tiny demo runs;
 * the draft function is the trainable twin (``draft_twin``), tested against the
   overlay's own draft.
 
@@ -55,13 +57,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequences", type=int, default=160, help="training sequences")
     p.add_argument("--held-out", type=int, default=32, help="evaluation sequences")
     p.add_argument("--gen-len", type=int, default=160, help="target tokens per sequence")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--blocks", type=int, default=192, help="blocks per training step")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--blocks", type=int, default=128, help="blocks per training step")
     p.add_argument("--step-sequences", type=int, default=8, help="sequences the blocks come from")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
+    # DSpark weighs 0.1 CE + 0.9 L1(p_draft - p_target): its drafts are verified by rejection
+    # sampling, where the whole distribution counts. The tiny demo verifies greedily, where
+    # only the argmax does: CE leads (measured: 2x the first-slot acceptance early on).
+    p.add_argument("--ce-weight", type=float, default=1.0, help="DSpark's paper: 0.1")
+    p.add_argument("--l1-weight", type=float, default=0.1, help="DSpark's paper: 0.9")
     # One thread: the step is many small GEMMs; a second OpenMP thread spins more than it
     # helps when the cores are shared.
     p.add_argument("--threads", type=int, default=1, help="torch threads for training")
+    p.add_argument(
+        "--traces-cache",
+        type=Path,
+        default=None,
+        help="keep the target's traces in this file: a later run with the same prompts and "
+        "--gen-len loads them instead of running the target again",
+    )
     p.add_argument("--force", action="store_true", help="train again even if recorded")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -82,7 +96,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def settings(args) -> dict:
-    keys = ("seed", "sequences", "held_out", "gen_len", "steps", "blocks", "step_sequences", "lr")
+    keys = (
+        "seed",
+        "sequences",
+        "held_out",
+        "gen_len",
+        "steps",
+        "blocks",
+        "step_sequences",
+        "lr",
+        "ce_weight",
+        "l1_weight",
+    )
     return {k: getattr(args, k) for k in keys}
 
 
@@ -152,7 +177,7 @@ def sequence_kv(twin, corpus, seqs):
     return kv.view(len(seqs), length, *kv.shape[1:])
 
 
-def block_loss(twin, corpus, seq_idx, anchors, kv_all, local_idx, weights):
+def block_loss(twin, corpus, seq_idx, anchors, kv_all, local_idx, weights, mix=(0.1, 0.9)):
     """DSpark's objective over blocks at ``anchors`` of sequences ``seq_idx``."""
     import torch
     import torch.nn.functional as F
@@ -174,7 +199,7 @@ def block_loss(twin, corpus, seq_idx, anchors, kv_all, local_idx, weights):
     accepted = (z.argmax(-1) == target_logits.argmax(-1)).float()
     conf = twin.confidence(block.head_hidden, embeds).clamp(1e-6, 1 - 1e-6)
     bce = F.binary_cross_entropy(conf, accepted, reduction="none")
-    per_slot = 0.1 * ce + 0.9 * l1 + bce
+    per_slot = mix[0] * ce + mix[1] * l1 + bce
     loss = (per_slot * weights).sum(-1).mean() / weights.sum()
     return loss, accepted.mean(0)
 
@@ -251,7 +276,16 @@ def train(args, cfg, tensors, train_corpus, bar):
         pick = candidates[torch.randint(len(candidates), (args.blocks,), generator=gen)]
         seqs, local = pick[:, 0].unique(return_inverse=True)
         kv_all = sequence_kv(twin, train_corpus, seqs)
-        loss, acc = block_loss(twin, train_corpus, pick[:, 0], pick[:, 1], kv_all, local, weights)
+        loss, acc = block_loss(
+            twin,
+            train_corpus,
+            pick[:, 0],
+            pick[:, 1],
+            kv_all,
+            local,
+            weights,
+            (args.ce_weight, args.l1_weight),
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
@@ -260,6 +294,27 @@ def train(args, cfg, tensors, train_corpus, bar):
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss):.3f}", slot0=f"{float(acc[0]):.2f}")
     return twin, log
+
+
+def cached_traces(path: Path | None, prompts: list[list[int]], gen_len: int):
+    """Traces saved by an earlier run for exactly these prompts and length, else None."""
+    import torch
+    from target_traces import Trace
+
+    if path is None or not path.is_file():
+        return None
+    traces = [Trace(**t) for t in torch.load(path)]
+    same = len(traces) == len(prompts) and all(
+        t.prompt_len == len(p)
+        and t.tokens[: len(p)].tolist() == p
+        and t.tokens.numel() == len(p) + gen_len
+        for t, p in zip(traces, prompts, strict=True)
+    )
+    if not same:
+        print(f">> {path}: traces of other prompts or lengths; running the target again")
+        return None
+    print(f">> target traces from {path}")
+    return traces
 
 
 def write_checkpoint(model_dir: Path, tensors: dict, trained: dict) -> None:
@@ -316,9 +371,13 @@ def main(argv=None) -> int:
         "max_num_seqs": 64,
         "seed": args.seed,
     }
-    print(f">> {total} greedy sequences of the target ({args.gen_len} tokens each)", flush=True)
-    layer_ids = list(cfg["dspark_target_layer_ids"])
-    traces = collect_traces_in_child(engine, prompts, args.gen_len, layer_ids, not args.quiet)
+    traces = cached_traces(args.traces_cache, prompts, args.gen_len)
+    if traces is None:
+        print(f">> {total} greedy sequences of the target ({args.gen_len} tokens each)", flush=True)
+        layer_ids = list(cfg["dspark_target_layer_ids"])
+        traces = collect_traces_in_child(engine, prompts, args.gen_len, layer_ids, not args.quiet)
+        if args.traces_cache is not None:
+            torch.save([vars(t) for t in traces], args.traces_cache)
     trace_seconds = time.monotonic() - t0
     torch.set_num_threads(args.threads)
     tensors = load_file(str(model_dir / "model.safetensors"))
