@@ -10,8 +10,10 @@ OVERLAY_MODE ?=
 TINY_MODEL := models/tiny-dsv4-dspark
 CACHE := .cache
 # Serving sweep sized for the CPU tiny server; on a Spark pass your own, e.g.
-# BENCH_ARGS="--concurrency 1,2,4,6,16 --prompt-lens 256,2048,32768 --output-len 256".
-BENCH_ARGS ?= --concurrency 1,2,4 --prompt-lens 64,256 --output-len 64
+# BENCH_ARGS="--concurrency 1 4 16 --prompt-lens 256 2048 32768 --output-len 256".
+BENCH_ARGS ?= --concurrency 1 4 --prompt-lens 64 256 --output-len 32
+# `make ab` configurations (default: DSpark vs no speculation, both started here).
+AB_ARGS ?=
 
 STAMP_DEPS := $(VENV)/.stamp-deps
 STAMP_OVERLAY := $(VENV)/.stamp-overlay
@@ -21,8 +23,8 @@ OVERLAY_FILES := $(shell find overlay -type f ! -name '*.pyc' 2>/dev/null)
 TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: help setup demo serve test test-fast mutation bench lint apply revert check model \
-        image up down logs smoke audit clean
+.PHONY: help setup demo serve test test-fast mutation bench ab lint apply revert check model \
+        image up down logs smoke audit rehearse clean
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -76,15 +78,16 @@ test-fast: setup ## the suite without the real-vLLM end-to-end tests
 mutation: setup ## mutation testing of the core modules (~20 min, not in `make test`): score per module, survivors; MODULES="a b" for some
 	$(PY) scripts/mutation.py $(foreach m,$(MODULES),--module $(m))
 
-bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep and `vllm bench serve` on the same load
+bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep on `vllm bench serve`
 	$(PY) scripts/bench_ragged.py
 	$(PY) scripts/bench_packed_prefill.py
 	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^API_PORT=//p'); \
-	name=serving-$(PROFILE)-$$(date +%Y%m%d-%H%M%S); \
 	if curl -sf "http://127.0.0.1:$$port/health" >/dev/null; then \
-	  $(PY) -m scripts.bench --base-url "http://127.0.0.1:$$port" --profile $(PROFILE) $(BENCH_ARGS) --plot --name $$name && \
-	  $(PY) -m scripts.bench.vllm_bench bench-results/$$name.json; \
+	  $(VLLM_CPU_ENV) $(PY) -m scripts.bench --profile $(PROFILE) $(BENCH_ARGS); \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
+
+ab: setup ## the serving sweep against two server configurations started one after the other; one ratio table
+	$(VLLM_CPU_ENV) $(PY) -m scripts.bench.ab --profile $(PROFILE) $(AB_ARGS) $(BENCH_ARGS)
 
 lint: setup ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check scripts tests overlay
@@ -99,6 +102,13 @@ revert: ## take the overlay off the venv's vLLM
 
 check: ## report whether the overlay is applied to the venv's vLLM
 	scripts/apply_overlay.sh --python $(PY) --check
+
+# The two-Spark launch on this machine: two network namespaces as the two nodes, the real
+# docker/entrypoint.sh on each (needs root; README "Rehearsing the two-Spark launch").
+REHEARSE_ARGS ?= --faults
+rehearse: setup model ## the two-Spark launch for real on this machine (root): smoke, audit, load, faults, lossless
+	@if [ "$$(id -u)" = 0 ]; then $(PY) -m scripts.rehearse $(REHEARSE_ARGS); \
+	else echo ">> network namespaces need root: running it with sudo"; sudo $(PY) -m scripts.rehearse $(REHEARSE_ARGS); fi
 
 # ---- Two DGX Sparks (README "Running on two Sparks"); every target acts on this node -----
 SPARK_ENV ?= docker/.env

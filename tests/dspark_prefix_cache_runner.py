@@ -147,7 +147,6 @@ def run_wave(engine, all_prompts, ids, max_tokens):
 
 def run(model: str, target: PlainTarget) -> dict:
     from support.dspark_steps import observe_steps
-    from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
     all_prompts = prompts()
     kwargs = engine_kwargs(model, None, speculative=True)
@@ -162,7 +161,7 @@ def run(model: str, target: PlainTarget) -> dict:
         "num_speculative_tokens": drafter.num_speculative_tokens,
     }
     for wave in ("warm", "hits"):
-        drafter.counters = DSparkCounters()
+        drafter.reset_counters()
         sight = FirstSight(drafter)
         observe_steps(drafter, sight)
         outputs, cached, steps = run_wave(engine, all_prompts, WAVES[wave], MAX_TOKENS)
@@ -182,7 +181,7 @@ def run(model: str, target: PlainTarget) -> dict:
     oracle = OracleDrafts(
         target, {r: all_prompts[r] for r in ids}, HOLES_MAX_TOKENS + n_spec + 1
     )
-    drafter.counters = DSparkCounters()
+    drafter.reset_counters()
     drafter.draft_override = WindowSensitiveOracle(drafter, oracle)
     sight = FirstSight(drafter)
     observe_steps(drafter, sight)

@@ -40,6 +40,56 @@ def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = Non
     return path
 
 
+def run_engine_script(script: str, out: Path, *args: str, timeout: float) -> dict:
+    """Run an in-process vLLM script (``script --out OUT ARGS``) on CPU; its JSON report.
+
+    A failure fails the calling test with the script's stderr tail.
+    """
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), str(REPO / "tests")])}
+    proc = subprocess.run([sys.executable, script, "--out", str(out), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{Path(script).name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+REAL_FORMAT_MODEL = REPO / "models" / "tiny-dsv4-dspark-real"
+REAL_FORMAT_TWIN = REPO / "models" / "tiny-dsv4-dspark-real-twin"
+
+
+def ensure_real_format_models() -> tuple[Path, Path]:
+    """The tiny checkpoint in the published FP8/MXFP4 format and its exact bf16 twin."""
+    if not all((m / "config.json").exists() for m in (REAL_FORMAT_MODEL, REAL_FORMAT_TWIN)):
+        import subprocess
+        import sys
+
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_tiny_model.py"),
+                "--dspark",
+                "--format",
+                "real",
+                "--quiet",
+                "--force",
+                "--out",
+                str(REAL_FORMAT_MODEL),
+                "--bf16-twin",
+                str(REAL_FORMAT_TWIN),
+            ],
+            check=True,
+        )
+    return REAL_FORMAT_MODEL, REAL_FORMAT_TWIN
+
+
 _DIST = {"ready": False}
 
 

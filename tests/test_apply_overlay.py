@@ -31,20 +31,24 @@ import yaml
 from conftest import REPO, VENV_PY, tree_digest
 
 TOOL = REPO / "scripts" / "apply_overlay.sh"
+OVERLAY_TOOL = REPO / "tests" / "support" / "overlay_tool.py"
 MANIFEST = yaml.safe_load((REPO / "overlay" / "manifest.yaml").read_text())
 
 
 def run_tool(
-    *args: str, overlay: Path | None = None, kill_at: int | str | None = None
+    *args: str,
+    overlay: Path | None = None,
+    kill_at: int | str | None = None,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the tool; `kill_at` makes it SIGKILL itself at that step boundary (number or label)."""
-    env = dict(os.environ)
-    env.pop("DSPARK_OVERLAY_KILL_AT", None)
-    if overlay is not None:
-        env["DSPARK_OVERLAY_DIR"] = str(overlay)
-    if kill_at is not None:
-        env["DSPARK_OVERLAY_KILL_AT"] = str(kill_at)
-    return subprocess.run([str(TOOL), *args], capture_output=True, text=True, env=env)
+    """Run the tool: as users do, or on a synthetic ``overlay`` tree and/or SIGKILLed at the
+    ``kill_at`` step boundary (number or label) through ``support/overlay_tool.py``."""
+    env = dict(os.environ if env is None else env)
+    if overlay is None and kill_at is None:
+        return subprocess.run([str(TOOL), *args], capture_output=True, text=True, env=env)
+    env["PYTHONPATH"] = str(REPO / "scripts")
+    cmd = [sys.executable, str(OVERLAY_TOOL), str(overlay or "-"), str(kill_at or "-"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
 
 
 def rewrite(path: Path, text: str) -> None:
@@ -283,7 +287,7 @@ def test_a_second_run_on_the_same_target_is_refused(installed_copy, tmp_path):
 
 # ---- crash safety: SIGKILL at step boundaries ----------------------------------------------
 #
-# DSPARK_OVERLAY_KILL_AT=N makes the tool SIGKILL itself at its N-th step boundary. After each
+# run_tool(kill_at=N) SIGKILLs the tool at its N-th step boundary. After each
 # kill: --check writes nothing and says "interrupted" (never "drifted"); --revert gives a tree
 # byte-identical to upstream; apply (copy or link) gives the same tree as a clean apply.
 
@@ -615,9 +619,7 @@ def test_recovery_is_reported_even_if_the_run_is_killed_afterwards(tmp_path):
     overlay, _ = make_overlay(tmp_path / "v1", upstream)
     assert run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled").returncode < 0
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env |= {"DSPARK_OVERLAY_DIR": str(overlay), "DSPARK_OVERLAY_KILL_AT": "byte-compiled"}
-    again = subprocess.run([str(TOOL), "--target", str(upstream)], capture_output=True, text=True,
-                           env=env)
+    again = run_tool("--target", str(upstream), overlay=overlay, kill_at="byte-compiled", env=env)
     assert again.returncode == -signal.SIGKILL
     assert "recovered from an interrupted apply" in again.stdout, (again.stdout, again.stderr)
 
@@ -649,7 +651,7 @@ def test_a_replaced_file_missing_upstream_is_refused_by_name(tmp_path):
 
 
 def test_step_boundaries_are_numbered_from_one(tmp_path):
-    """DSPARK_OVERLAY_KILL_AT=1 stops an apply at its first boundary: the journal staged."""
+    """Killed at boundary 1, an apply stops at its first boundary: the journal staged."""
     upstream = make_tiny_vllm(tmp_path / "upstream")
     overlay, _ = make_overlay(tmp_path / "v1", upstream)
     killed = run_tool("--target", str(upstream), overlay=overlay, kill_at=1)

@@ -18,10 +18,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -295,6 +297,8 @@ MALFORMED = [
     ({"STOP_GRACE_PERIOD": "30"}, "STOP_GRACE_PERIOD='30' is not a duration"),
     ({"HEALTH_START_PERIOD": "long"}, "HEALTH_START_PERIOD='long' is not a duration"),
     ({"HEAD_WAIT_TIMEOUT_S": "soon"}, "HEAD_WAIT_TIMEOUT_S='soon' is not a number of seconds"),
+    ({"HEAD_WATCH_INTERVAL_S": "0"}, "HEAD_WATCH_INTERVAL_S='0' is not a whole number of seconds"),
+    ({"HEAD_WATCH_MISSES": "two"}, "HEAD_WATCH_MISSES='two' is not a count above 0"),
     ({"CONTAINER_UID": "vllm"}, "CONTAINER_UID='vllm' is not a numeric id"),
     ({"DSPARK_IMAGE": "dspark-vllm@sha256:0123"}, "must be a plain name:tag"),
     ({"VLLM_API_KEY": ""}, "VLLM_API_KEY is empty: the head would serve the model to anyone"),
@@ -312,6 +316,29 @@ def test_check_env_rejects_malformed_values(tmp_path, over, message):
     assert rc == 1, out
     assert message in out
     assert "fix: " in out
+
+
+def test_check_env_loopback_only_under_the_rehearsal_bypass():
+    """`make rehearse --loopback` puts both nodes on 127.0.0.1/127.0.0.2; only the variable it
+    sets (compose never passes it) lets loopback through, with a warning; 0.0.0.0 never."""
+    base = {"PATH": "/usr/bin:/bin", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+            "VLLM_HOST_IP": "127.0.0.2", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "=none"}
+
+    def run(**over):
+        r = subprocess.run([sys.executable, str(REPO / "scripts" / "recipe.py"), "check-env",
+                            "--container", "--nnodes", "2"], env={**base, **over},
+                           capture_output=True, text=True)
+        return r.returncode, r.stdout + r.stderr
+
+    rc, out = run()
+    assert rc == 1 and "MASTER_ADDR='127.0.0.1' is a loopback/unspecified address" in out
+    rc, out = run(DSPARK_LOOPBACK_REHEARSAL="1")
+    assert rc == 0, out
+    assert "WARN  env      DSPARK_LOOPBACK_REHEARSAL=1: loopback addresses accepted" in out
+    rc, out = run(DSPARK_LOOPBACK_REHEARSAL="1", VLLM_HOST_IP="0.0.0.0")
+    assert rc == 1 and "VLLM_HOST_IP='0.0.0.0' is a loopback/unspecified address" in out
+    compose_text = COMPOSE_FILE.read_text()
+    assert "DSPARK_LOOPBACK_REHEARSAL" not in compose_text
 
 
 def test_check_env_api_key_rules_by_role(tmp_path):
@@ -459,6 +486,9 @@ def test_build_context_allowlist_covers_every_copy():
 FAKE_VLLM = """#!/bin/sh
 printf '%s\\n' "$@" > "$FAKE_VLLM_OUT"
 env > "$FAKE_VLLM_OUT.env"
+echo $$ > "$FAKE_VLLM_OUT.pid"
+# FAKE_VLLM_SLEEP: stay up like a serving vLLM (its child too, as vLLM's workers would)
+if [ -n "${FAKE_VLLM_SLEEP:-}" ]; then sleep "$FAKE_VLLM_SLEEP" & wait; fi
 """
 
 
@@ -473,6 +503,9 @@ def local_ipv4() -> str | None:
     finally:
         s.close()
     return None if ip.startswith("127.") else ip
+
+
+VLLM_RETURNED = "ERROR: vLLM exited by itself (status 0)"
 
 
 @pytest.fixture
@@ -512,7 +545,13 @@ def ep(tmp_path):
             e = {k: v for k, v in e.items() if v is not None}
             r = subprocess.run([str(ENTRYPOINT), *args], env=e, capture_output=True, text=True,
                                timeout=40)
-            return r.returncode, r.stdout + r.stderr
+            text = r.stdout + r.stderr
+            self.raw_rc = r.returncode
+            # On a node of a pair, vLLM returning by itself is an engine death (exit 1); the
+            # fake one always returns at once, so that exit is reported as 0 ("it ran").
+            if r.returncode == 1 and VLLM_RETURNED in text:
+                return 0, text
+            return r.returncode, text
 
         def argv(self):
             return out.read_text().splitlines() if out.exists() else None
@@ -553,7 +592,11 @@ def test_entrypoint_head_execs_the_rendered_command(ep):
     assert spec["method"] == "dspark"
     # What it runs is in the log, with the overlay and the fabric settings.
     assert "[entrypoint] overlay 0.1.0 (copy) on vLLM 0.32.0" in out
-    assert "[entrypoint] exec vllm serve --model" in out
+    assert "[entrypoint] run vllm serve --model" in out
+    # vLLM returning by itself is an engine death on a node of a pair: exit 1, said so.
+    assert ep.raw_rc == 1 and f"[entrypoint] {VLLM_RETURNED}: its engine died" in out
+    rc, out = ep.run("print-command")
+    assert ep.raw_rc == 0
     assert "NCCL_IB_GID_INDEX=auto resolved from sysfs: 3" in out
     env = ep.env()
     assert env["NCCL_IB_GID_INDEX"] == "3"
@@ -565,6 +608,23 @@ def test_entrypoint_head_execs_the_rendered_command(ep):
     # speculative.runner: overlay -> vLLM's V1 runner, exported for vLLM (CUDA defaults to V2).
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "[entrypoint] VLLM_USE_V2_MODEL_RUNNER=0 (profile)" in out
+
+
+def test_entrypoint_starts_with_nccl_debug_unset(ep):
+    """NCCL_DEBUG set nowhere (neither the node nor the profile): the start goes on, for both
+    roles (prepare()'s last log test used to be its exit status, and set -e ended it silently)."""
+    ep.mark()
+    quiet = dict(ep.profile, env={})
+    ep.profile_path.write_text(yaml.safe_dump(quiet))
+    rc, out = ep.run(NCCL_DEBUG=None)
+    assert rc == 0, out
+    assert "NCCL_DEBUG" not in ep.env() and ep.argv()[0] == "serve"
+    ep.host.add_port("rocep1s0f0", "enp1s0f0np0", "0000:01:00.0",
+                     standard_gids("192.168.100.11", "enp1s0f0np0"))
+    rc, out = ep.run("print-command", NCCL_DEBUG=None, NODE_RANK="1",
+                     VLLM_HOST_IP="192.168.100.11", NCCL_IB_HCA="=rocep1s0f0")
+    assert rc == 0, out
+    assert "--headless" in out.splitlines()[-1] and "NCCL_DEBUG" not in out
 
 
 def test_entrypoint_refuses_a_node_runner_that_contradicts_the_profile(ep):
@@ -615,8 +675,72 @@ def test_entrypoint_worker_waits_for_the_head_then_runs_headless(ep):
     rc, out = ep.run(NODE_RANK="1", MASTER_ADDR=head, VLLM_HOST_IP=worker_ip,
                      NCCL_IB_HCA="=rocep1s0f0", HEAD_WAIT_TIMEOUT_S="1")
     assert rc == 1
-    assert f"the head's master port {head}:{port} did not open within 1s" in out
+    assert f"ERROR: MASTER_ADDR={head}: the head's master port {port} did not open within 1s" in out
     assert ep.argv() is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def _start_worker(ep, head: str, **env) -> subprocess.Popen:
+    e = ep.host.env(PYTHONPATH=str(ep.site), VLLM_BIN="vllm", FAKE_VLLM_OUT=str(ep.out),
+                    PROFILE=str(ep.profile_path), DSPARK_HOME=str(REPO), HEAD_WAIT_POLL_S="0.2",
+                    NODE_RANK="1", MASTER_ADDR=head, VLLM_HOST_IP="192.168.100.11",
+                    NCCL_SOCKET_IFNAME="enp1s0f0np0", NCCL_IB_HCA="=rocep1s0f0",
+                    NCCL_NET="Socket", HEAD_WAIT_TIMEOUT_S="20", FAKE_VLLM_SLEEP="120",
+                    HEAD_WATCH_INTERVAL_S="1", HEAD_WATCH_MISSES="2", HEAD_WATCH_GRACE_S="3", **env)
+    return subprocess.Popen([str(ENTRYPOINT)], env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path: Path, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["head closes", "SIGTERM"])
+def test_entrypoint_worker_stops_vllm_when_the_head_goes_or_on_sigterm(ep, how):
+    """vLLM's headless worker would wait for a dead head forever: the entrypoint watches the
+    head's master port and stops vLLM's whole process group itself (and forwards SIGTERM)."""
+    head = local_ipv4()
+    if head is None:
+        pytest.skip("no non-loopback IPv4 address to stand in for the head")
+    ep.mark()
+    port = ep.profile["parallel"]["master_port"]
+    pidfile = Path(str(ep.out) + ".pid")
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(64)
+    proc = _start_worker(ep, head)
+    try:
+        _wait_for(pidfile)
+        vllm_pid = int(pidfile.read_text())
+        time.sleep(2.5)  # two probes with the head up: the worker keeps running
+        assert proc.poll() is None and _alive(vllm_pid)
+        if how == "head closes":
+            srv.close()
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        srv.close()
+        if proc.poll() is None:
+            proc.kill()
+    if how == "head closes":
+        assert proc.returncode == 1, out
+        assert f"the head's master port {head}:{port} is closed" in out
+        assert "the head is gone; stopping this worker" in out
+    else:
+        assert proc.returncode == 143, out
+    assert not _alive(vllm_pid)
 
 
 @pytest.mark.parametrize("env, message", [
@@ -822,3 +946,16 @@ def test_smoke_reports_a_wrong_model(ep, stub):
                        env={**os.environ, "VLLM_API_KEY": ""})
     assert r.returncode == 1
     assert "model 'other-model' is not served" in r.stderr
+
+
+def test_compose_lifecycle_matches_the_entrypoint():
+    """A node exits 1 when the other one dies (make rehearse measures it): the default restart
+    policy must start it again, and `docker stop` must wait longer than the entrypoint takes to
+    stop vLLM (its SIGKILL grace) so the group is not killed half-way."""
+    service = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["vllm"]
+    assert service["restart"] == "${RESTART_POLICY:-unless-stopped}"
+    grace = re.search(r"HEAD_WATCH_GRACE_S:-(\d+)", ENTRYPOINT.read_text())
+    stop = re.fullmatch(r"\$\{STOP_GRACE_PERIOD:-(\d+)s\}", service["stop_grace_period"])
+    assert grace and stop and int(stop.group(1)) > int(grace.group(1))
+    for var in ("HEAD_WATCH_INTERVAL_S", "HEAD_WATCH_MISSES", "HEAD_WAIT_TIMEOUT_S"):
+        assert var in service["environment"], var

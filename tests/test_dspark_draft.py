@@ -335,8 +335,6 @@ def test_unknown_draft_weight_is_refused(draft_env):
     draft, _, _ = draft_env
     with pytest.raises(ValueError, match="does not have"):
         draft.load_weights([("mtp.0.attn.not_a_weight", torch.zeros(1))])
-    # Target weights and stages past the draft's depth are not the draft's: skipped.
-    assert draft.load_weights([("layers.0.attn.wkv.weight", torch.zeros(1))]) == set()
 
 
 OVERLAY_DSPARK_MODULES = (

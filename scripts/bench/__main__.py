@@ -1,182 +1,131 @@
-"""`python -m scripts.bench`: the serving sweep's command line (writes JSON + Markdown [+ PNG]).
-
-Exit codes: 0 done; 1 no request succeeded (or any failed, with --strict); 2 bad arguments,
-server unreachable or without /tokenize.
+"""`python -m scripts.bench`: the serving sweep against a running server; writes
+bench-results/NAME.{json,md}, NAME-acceptance.png, NAME-decode.png and NAME/levels/ (the
+`vllm bench serve` JSON, prompts and log of every level). Exit 2: bad arguments or server.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import datetime as dt
+import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
+import time
+import urllib.error
+import uuid
 from pathlib import Path
 from typing import Any
 
-from .. import recipe
-from . import provenance
-from .report import markdown_report, write_plots
-from .schema import outline, validate_result
-from .server import BenchError
-from .sweep import SweepConfig, run_sweep_async
-
-DEFAULT_OUT_DIR = recipe.REPO / "bench-results"
+from .. import recipe, roofline
+from . import content
+from .report import markdown, write_plots
+from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep, scrape
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def add_sweep_args(ap: argparse.ArgumentParser) -> None:
+    """The flags the sweep and the A/B share (defaults: SweepConfig's)."""
+    d, add = SweepConfig, ap.add_argument
+    add("--profile", default="cpu-tiny", help="recipe profile of the server: port, served "
+        "model, tokenizer, roofline (default: %(default)s)")
+    add("--tokenizer", help="tokenizer for the prompts (default: the profile's model)")
+    add("--content", dest="contents", nargs="+", default=d.contents,
+        help=f"content types (default: {' '.join(d.contents)})")
+    add("--concurrency", type=int, nargs="+", default=d.concurrency)
+    add("--prompt-lens", type=int, nargs="+", default=d.prompt_lens)
+    add("--output-len", type=int, default=d.output_len)
+    add("--rounds", type=int, default=d.rounds, help="requests per level = rounds x concurrency")
+    add("--warmup", type=int, default=d.warmup, help="warm-up requests, in no level")
+    add("--endpoint", choices=("completions", "chat"), default=d.endpoint)
+    add("--temperature", type=float, help="default: the server's")
+    add("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+        help="bearer token (default: $VLLM_API_KEY)")
+    add("--bandwidth-gbs", type=float, default=roofline.GB10_GBS,
+        help="memory bandwidth per GPU for the roofline (default: GB10, %(default)s)")
+    add("--config", type=Path, help="the checkpoint's config.json for the roofline")
+    add("--out-dir", type=Path, default=recipe.REPO / "bench-results")
+    add("--name", help="output stem (default: serving-PROFILE-YYYYmmdd-HHMMSS)")
+    add("--note", help="free text kept in the result")
+
+
+def check_args(args: argparse.Namespace, profile: dict[str, Any]) -> None:
+    for kind in args.contents:
+        content.samples(kind)  # ValueError naming the known types
+    if min(*args.concurrency, *args.prompt_lens) < 1 or args.output_len < 2 or args.rounds < 1 \
+            or args.warmup < 0:
+        raise ValueError("--concurrency and --prompt-lens must be >= 1, --output-len >= 2, "
+                         "--rounds >= 1 and --warmup >= 0")
+    for flag, values in (("--content", args.contents), ("--concurrency", args.concurrency),
+                         ("--prompt-lens", args.prompt_lens)):
+        if len(set(values)) < len(values):
+            raise ValueError(f"{flag}: {' '.join(map(str, values))} repeats a value")
+    limit = profile["serving"]["max_model_len"]
+    if max(args.prompt_lens) + args.output_len > limit:
+        raise ValueError(f"--prompt-lens {max(args.prompt_lens)} + --output-len "
+                         f"{args.output_len} exceed the profile's max_model_len {limit}")
+
+
+def measure(args: argparse.Namespace, base_url: str, profile: dict[str, Any],
+            out_dir: Path) -> dict[str, Any]:
+    """Run the sweep against `base_url`; the result, a roofline beside every level."""
+    from vllm.tokenizers import get_tokenizer
+
+    try:  # before anything is written: a server that is down or wants another key
+        scrape(base_url, args.api_key)
+    except OSError as exc:
+        raise ValueError(f"{base_url}/metrics: {exc} (is the server up, and the API key "
+                         "its key?)") from exc
+    fields = {f.name for f in dataclasses.fields(SweepConfig)}
+    cfg = SweepConfig(**{**{k: v for k, v in vars(args).items() if k in fields},
+                         "base_url": base_url, "model": profile["model"]["served_name"],
+                         "tokenizer": args.tokenizer or recipe.model_ref(profile),
+                         "out_dir": out_dir, "tag": uuid.uuid4().hex[:8]})
+    model = roofline.build(roofline.load_config(profile, args.config)[0], profile)
+    trust = profile["model"]["trust_remote_code"]
+    tokenizer = get_tokenizer(cfg.tokenizer, trust_remote_code=trust)
+    levels = run_sweep(cfg, tokenizer, log=lambda line: print(line, file=sys.stderr, flush=True))
+    for lv in levels:  # context: the prompt and half the output, the mean over a request
+        lv["roofline"] = roofline.predict(
+            model, args.bandwidth_gbs, lv["concurrency"], lv["prompt_len"] + cfg.output_len // 2,
+            (lv["spec_decode"] or {}).get("mean_acceptance_length"))
+    config = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k not in ("api_key", "out_dir", "tag")}
+    return {"kind": RESULT_KIND, "provenance": provenance(profile, base_url, args.api_key),
+            "config": {**config, "bandwidth_gbs": args.bandwidth_gbs}, "note": args.note,
+            "levels": levels}
+
+
+def write_outputs(result: dict[str, Any], stem: Path) -> list[Path]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    js, md = stem.with_suffix(".json"), stem.with_suffix(".md")
+    js.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    md.write_text(markdown(result), encoding="utf-8")
+    return [js, md, *write_plots(result, stem)]
+
+
+def default_stem(args: argparse.Namespace, kind: str) -> Path:
+    name = args.name or f"{kind}-{args.profile}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args.out_dir / name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__)
+    ap.add_argument("--base-url", help="server root (default: 127.0.0.1 at the profile's port)")
+    add_sweep_args(ap)
+    args = ap.parse_args(argv)
     try:
-        values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _json_obj(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}")
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-# (flag, argparse keywords); defaults that are SweepConfig fields are filled in build_parser.
-_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--base-url", dict(help="server root, with or without /v1 (default: http://127.0.0.1:PORT "
-                        "with the --profile's serving port, else http://127.0.0.1:8000)")),
-    ("--model", dict(help="served model name (default: the first one GET /v1/models lists)")),
-    ("--endpoint", dict(choices=("completions", "chat"), help="completions sends exact token-id "
-                        "prompts; chat sends messages padded through the chat template")),
-    ("--concurrency", dict(type=_int_list, metavar="N,N,..",
-                           help="concurrent streams per level")),
-    ("--prompt-lens", dict(type=_int_list, metavar="N,N,..", help="prompt lengths in tokens, "
-                           "exact via /tokenize (default: 256,2048, leaving out those that do "
-                           "not fit the server's max_model_len; given lengths that do not fit "
-                           "are an error)")),
-    ("--output-len", dict(type=int, help="completion tokens per request; EOS is ignored so "
-                          "every request generates exactly this many")),
-    ("--rounds", dict(type=int, help="requests per level = rounds x concurrency, kept "
-                      "`concurrency` in flight")),
-    ("--warmup", dict(type=int, help="warm-up requests before the sweep, excluded")),
-    ("--seed", dict(type=int, help="seed for filler text and per-request sampling seeds")),
-    ("--run-id", dict(help="fixed id in the unique prompt prefixes (default: random, so "
-                      "repeated runs stay cold for the prefix cache)")),
-    ("--temperature", dict(type=float, help="sampling temperature (0 = greedy)")),
-    ("--no-ignore-eos", dict(dest="ignore_eos", action="store_false",
-                             help="let requests stop at EOS (output lengths then vary)")),
-    ("--no-chunk-usage", dict(dest="chunk_usage", action="store_false", help="do not ask for "
-                              "per-chunk usage (stream_options.continuous_usage_stats); per-chunk "
-                              "token counts then come from token_ids if the server sends them "
-                              "(--extra-body '{\"return_token_ids\": true}'), else ITL is per "
-                              "chunk")),
-    ("--request-timeout", dict(type=float, help="seconds before one request counts as timed out")),
-    ("--ramp-s", dict(type=float, help="stagger the first `concurrency` requests of a level by "
-                      "this many seconds each (0 = all at once)")),
-    ("--extra-body", dict(type=_json_obj, metavar="JSON", help="JSON merged into every request "
-                          "body, e.g. '{\"chat_template_kwargs\": {\"thinking\": false}}'")),
-    ("--api-key", dict(default=os.environ.get("VLLM_API_KEY") or None,
-                       help="bearer token (default: $VLLM_API_KEY)")),
-    ("--profile", dict(help="recipe profile recorded in the result (recipe/profiles/NAME.yaml; "
-                       "default: the profile whose served_name matches the server's model)")),
-    ("--pins", dict(dest="pins_path", type=Path, help="pins file recorded in the result")),
-    ("--note", dict(help="free text stored in the result and shown in the report")),
-    ("--out-dir", dict(type=Path, default=DEFAULT_OUT_DIR, help="directory for the outputs")),
-    ("--name", dict(help="output file stem (default: serving-PROFILE-YYYYmmdd-HHMMSS)")),
-    ("--plot", dict(action="store_true", help="also write STEM-tok_s.png (aggregate tok/s vs "
-                    "concurrency) and STEM-ttft.png (TTFT vs prompt length)")),
-    ("--progress", dict(action=argparse.BooleanOptionalAction,
-                        help="progress bar on stderr (default: on when stderr is a terminal)")),
-    ("--strict", dict(action="store_true",
-                      help="exit 1 if any request failed (default: only if none succeeded)")),
-    ("--schema", dict(action="store_true", help="print the result JSON format and exit")),
-]  # fmt: skip
-
-
-_NO_DEFAULT = ("base_url", "model", "prompt_lens")  # resolved in _config
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m scripts.bench",
-        description="Streaming serving benchmark for a vLLM OpenAI-compatible server: "
-        "concurrency x prompt-length sweep with TTFT, ITL, decode tok/s and "
-        "speculative-decoding acceptance. Writes JSON + Markdown (+ PNG with --plot) "
-        "under --out-dir. Run from the repository root.",
-        epilog="Examples:\n"
-        "  # local CPU tiny server (make serve); the URL comes from the profile's port\n"
-        "  python -m scripts.bench --profile cpu-tiny --concurrency 1,2,4 --prompt-lens 64,256 "
-        "--output-len 32 --plot\n"
-        "  # two Sparks, from any machine that reaches the head\n"
-        "  python -m scripts.bench --base-url http://SPARK_HEAD:8000 --profile spark-2x --plot\n"
-        "  # then: python -m scripts.bench.compare bench-results/A.json bench-results/B.json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    defaults = SweepConfig(base_url="")
-    for flag, kwargs in _FLAGS:
-        field = kwargs.get("dest", flag[2:].replace("-", "_"))
-        if "default" not in kwargs and hasattr(defaults, field) and field not in _NO_DEFAULT:
-            kwargs = dict(kwargs, default=getattr(defaults, field))
-            if kwargs.get("action") is None and kwargs["default"] is not None:
-                kwargs["help"] += " (default: %(default)s)"
-        ap.add_argument(flag, **kwargs)
-    return ap
-
-
-def _config(args: argparse.Namespace) -> SweepConfig:
-    values = {k: v for k, v in vars(args).items() if k in SweepConfig.__dataclass_fields__}
-    if args.base_url is None:
-        values["base_url"] = (
-            provenance.profile_base_url(args.profile) if args.profile else "http://127.0.0.1:8000"
-        )
-    values["prompt_lens"] = args.prompt_lens or SweepConfig.prompt_lens
-    values["fit_prompt_lens"] = args.prompt_lens is None
-    values["progress"] = sys.stderr.isatty() if args.progress is None else args.progress
-    return SweepConfig(**values)
-
-
-def write_outputs(result: dict[str, Any], args: argparse.Namespace) -> list[Path]:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    stem = args.out_dir / (args.name or f"serving-{result['recipe']['profile']}-{stamp}")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
-    json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    md_path.write_text(markdown_report(result), encoding="utf-8")
-    return [json_path, md_path] + (write_plots(result, stem) if args.plot else [])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.schema:
-        print("\n".join(outline()))
-        return 0
-    try:
-        result = asyncio.run(run_sweep_async(_config(args)))
-    except (BenchError, recipe.RecipeError) as exc:
+        profile = recipe.load_profile(args.profile)
+        check_args(args, profile)
+        base_url = (args.base_url or
+                    f"http://127.0.0.1:{profile['serving']['port']}").rstrip("/")
+        stem = default_stem(args, "serving")
+        result = measure(args, base_url, profile, stem)
+    except (ValueError, recipe.RecipeError, urllib.error.URLError, OSError) as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
-        return 130
-    validate_result(result)
-    written = write_outputs(result, args)
-    print(markdown_report(result))
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-
-    n_req = sum(r["num_requests"] for r in result["runs"])
-    n_ok = sum(r["num_ok"] for r in result["runs"])
-    if n_ok == 0:
-        print(f"bench: error: all {n_req} requests failed", file=sys.stderr)
-        return 1
-    if args.strict and n_ok < n_req:
-        print(f"bench: error: {n_req - n_ok} of {n_req} requests failed", file=sys.stderr)
-        return 1
-    return 0
+    written = write_outputs(result, stem)
+    print(markdown(result))
+    print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
+    return 0 if all(lv["vllm_bench"]["failed"] == 0 for lv in result["levels"]) else 1
 
 
 if __name__ == "__main__":

@@ -1,12 +1,6 @@
-"""DSpark's series on a vLLM server's /metrics (the overlay's ``dspark_metrics``), parsed.
-
-    before = dspark_from_samples(parse_prometheus(metrics_text))  # None: no DSpark series
-    ...run something...
-    delta = dspark_delta(before, dspark_from_samples(parse_prometheus(metrics_text_after)))
-    print(format_dspark(delta))
-
-Standard library only and independent of the parser module (which registers these readers
-as a per-level series of the sweep), so the smoke check and the serving benchmark share it.
+"""DSpark's series on a vLLM server's /metrics (the overlay's ``dspark_metrics``), parsed:
+``dspark_delta(dspark_from_samples(before), dspark_from_samples(after))``, printed with
+``format_dspark``. Standard library only: the smoke check and the sweep share it.
 """
 
 from __future__ import annotations

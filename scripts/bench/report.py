@@ -1,4 +1,5 @@
-"""Human-readable views of a sweep result: a Markdown table and two PNG charts."""
+"""Views of a sweep result: Markdown tables (levels, content types) and PNG charts. Timings are
+`vllm bench serve`'s own numbers; acceptance and server decode come from /metrics deltas."""
 
 from __future__ import annotations
 
@@ -6,144 +7,123 @@ from pathlib import Path
 from typing import Any
 
 
-def _f(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
-    return "–" if x is None else f"{x * scale:.{digits}f}"
+def _f(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
 
 
-def _p(stats: dict | None, key: str, scale: float = 1.0, digits: int = 1) -> str:
-    return "–" if not stats else _f(stats[key], scale, digits)
+def acceptance(levels: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Acceptance over levels from their summed counters: rate = accepted / draft tokens,
+    length = 1 + accepted / drafts (tokens per verify step, bonus included, as vLLM's log),
+    per position k = accepted at draft position k / drafts."""
+    spec = [lv["spec_decode"] for lv in levels if lv.get("spec_decode")]
+    drafts = sum(s["num_drafts"] for s in spec)
+    if not drafts:
+        return None
+    width = max(len(s["accepted_per_position"]) for s in spec)
+    per_pos = [sum((s["accepted_per_position"] + [0] * width)[k] for s in spec)
+               for k in range(width)]
+    accepted = sum(s["num_accepted_tokens"] for s in spec)
+    draft_tokens = sum(s["num_draft_tokens"] for s in spec)
+    return {"drafts": drafts, "acceptance_rate": accepted / draft_tokens,
+            "mean_acceptance_length": 1.0 + accepted / drafts,
+            "per_position": [x / drafts for x in per_pos]}
 
 
-def _level_row(r: dict[str, Any]) -> str:
-    spec = r.get("spec_decode") or {}
-    dspark = r.get("dspark") or {}
-    ttft, itl = r["ttft_s"], r["itl_s"]
-    return (
-        f"| {r['prompt_len']} | {r['concurrency']} | {r['num_ok']}/{r['num_requests']} "
-        f"| {_p(ttft, 'p50', 1e3, 0)} / {_p(ttft, 'p90', 1e3, 0)} / {_p(ttft, 'p99', 1e3, 0)} "
-        f"| {_p(itl, 'p50', 1e3, 1)} / {_p(itl, 'p99', 1e3, 1)} "
-        f"| {_p(r['decode_tok_s_per_stream'], 'p50')} "
-        f"| {_f(r['aggregate_decode_tok_s'])} | {_f(r['output_tok_s'])} "
-        f"| {_f(spec.get('mean_acceptance_length'), digits=2)} "
-        f"| {_f(spec.get('acceptance_rate'), digits=3)} "
-        f"| {_f(dspark.get('ragged_share'), digits=2)} |"
-    )
+def content_acceptance(levels: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    kinds = dict.fromkeys(lv["content"] for lv in levels)
+    out = {k: acceptance([lv for lv in levels if lv["content"] == k]) for k in kinds}
+    return {k: v for k, v in out.items() if v}
 
 
-def markdown_report(result: dict[str, Any]) -> str:
-    srv = result["machine"]["server"]
-    cfg = result["config"]
-    pins = result["recipe"].get("pins") or {}
-    vllm_pin = (pins.get("vllm") or {}).get("version", "?")
+def roofline_cells(level: dict[str, Any]) -> list[str]:
+    """[roofline tok/s, measured / roofline]: ranges under DSpark (see module roofline)."""
+    roof, got = level.get("roofline") or {}, level.get("server_decode_tok_s")
+    if "tok_s_low" in roof:
+        lo, hi = roof["tok_s_low"], roof["tok_s_high"]
+        return [f"{lo:.1f} .. {hi:.1f}", f"{got / hi:.1%} .. {got / lo:.1%}" if got else "–"]
+    if roof:
+        return [_f(roof["decode_tok_s"]), f"{got / roof['decode_tok_s']:.1%}" if got else "–"]
+    return ["–", "–"]
+
+
+def _level_row(lv: dict[str, Any]) -> str:
+    v, acc = lv["vllm_bench"], acceptance([lv]) or {}
+    cells = [lv["content"], lv["prompt_len"], lv["concurrency"],
+             f"{v['completed']}/{lv['num_requests']}",
+             f"{_f(v['p50_ttft_ms'])} / {_f(v['p99_ttft_ms'])}",
+             f"{_f(v['p50_itl_ms'])} / {_f(v['p99_itl_ms'])}", _f(v["p50_tpot_ms"]),
+             _f(v["output_throughput"]), _f(lv["server_decode_tok_s"]),
+             _f(acc.get("acceptance_rate"), 3), _f(acc.get("mean_acceptance_length"), 2),
+             *roofline_cells(lv)]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    p, cfg, levels = result["provenance"], result["config"], result["levels"]
     lines = [
-        f"## Serving benchmark — profile `{result['recipe']['profile']}`",
-        "",
-        f"- model `{srv['model']}` at {srv['base_url']}, server vLLM {srv.get('version') or '?'}"
-        f" (pin {vllm_pin}), {result['created_utc']}, run `{result['run_id']}`",
-        f"- {cfg['endpoint']} API, output {cfg['output_len']} tokens"
-        f" (ignore_eos={cfg['ignore_eos']}), {cfg['rounds']} round(s) per level,"
-        f" temperature {cfg['temperature']}, seed {cfg['seed']}",
+        f"## Serving sweep: profile `{p['profile']}`, {p['created_utc']}", "",
+        f"- commit {p['commit']}{' (dirty)' if p['dirty'] else ''}, vLLM server "
+        f"{p['vllm_server'] or '?'} / client {p['vllm_client']}, client machine "
+        f"{p['gpu'] or p['cpu']} ({p['cpu_count']} CPUs)",
+        f"- {cfg['endpoint']} API, output {cfg['output_len']} tokens (EOS ignored), "
+        f"{cfg['rounds']} x concurrency requests per level, {cfg['warmup']} warm-up requests "
+        f"excluded; roofline at {cfg['bandwidth_gbs']:g} GB/s per GPU",
+        *([f"- note: {result['note']}"] if result.get("note") else []), "",
+        "| content | prompt | C | ok | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms "
+        "| output tok/s | server decode tok/s | accept rate | accept len | roofline tok/s "
+        "| measured / roofline |",
+        "|---|" + "---:|" * 12,
+        *(_level_row(lv) for lv in levels), "",
     ]
-    if result.get("note"):
-        lines.append(f"- note: {result['note']}")
-    lines += [
-        "",
-        "| prompt | conc | ok/n | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) "
-        "| stream decode p50 (tok/s) | aggregate decode (tok/s) | output (tok/s) "
-        "| accept len | accept rate | ragged share |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    lines += [_level_row(r) for r in result["runs"]]
-    per_pos = [
-        (r["prompt_len"], r["concurrency"], r["spec_decode"]["acceptance_per_position"])
-        for r in result["runs"]
-        if r.get("spec_decode") and r["spec_decode"].get("acceptance_per_position")
-    ]
-    if per_pos:
-        lines += ["", "Per-position acceptance (accepted at draft position k / drafts):", ""]
-        for p, c, rates in per_pos:
-            lines.append(f"- len={p} c={c}: " + ", ".join(f"{x:.2f}" for x in rates))
-    errs = [(r["prompt_len"], r["concurrency"], r["errors"]) for r in result["runs"] if r["errors"]]
-    if errs:
-        lines += ["", "Failed requests:", ""]
-        for p, c, e in errs:
-            lines.append(f"- len={p} c={c}: " + ", ".join(f"{k} {v}" for k, v in sorted(e.items())))
-    if not result["metrics_available"]:
-        lines += ["", "No spec-decode counters on /metrics (speculation off?)."]
+    by_content = content_acceptance(levels)
+    if not by_content:
+        return "\n".join([*lines, "No spec-decode counters on /metrics (speculation off)."]) + "\n"
+    lines += ["| content | drafts | accept rate | accept len | acceptance by draft position |",
+              "|---|---:|---:|---:|---|"]
+    lines += [f"| {kind} | {a['drafts']} | {a['acceptance_rate']:.3f} "
+              f"| {a['mean_acceptance_length']:.2f} | "
+              + " ".join(f"{x:.2f}" for x in a["per_position"]) + " |"
+              for kind, a in by_content.items()]
     return "\n".join(lines) + "\n"
 
 
-def _chart(plt: Any, series: list[tuple[str, list, list, str, dict]], out: Path, axes: dict) -> Path:
-    """One line chart: series are (label, xs, ys, style, extra plot kwargs)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, xs, ys, style, extra in series:
-        ax.plot(xs, ys, style, label=label, **extra)
-    if axes.get("log2"):
-        ax.set_xscale("log", base=2)
-    ax.set_xticks(axes["xticks"], [str(x) for x in axes["xticks"]])
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel(axes["xlabel"])
-    ax.set_ylabel(axes["ylabel"])
-    ax.set_title(axes["title"])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
 def write_plots(result: dict[str, Any], stem: Path) -> list[Path]:
-    """Aggregate tok/s vs concurrency and TTFT vs prompt length, as PNGs next to `stem`."""
+    """STEM-acceptance.png (acceptance by draft position, one line per content type; with
+    speculation) and STEM-decode.png (server decode tok/s by concurrency, one line per content
+    type and prompt length)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["runs"]
-    title = f"{result['recipe']['profile']} · {result['machine']['server']['model']}"
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    tok_series, ttft_series = [], []
-    for i, plen in enumerate(sorted({r["prompt_len"] for r in runs})):
-        pts = sorted(
-            (r["concurrency"], r["aggregate_decode_tok_s"], r["output_tok_s"])
-            for r in runs
-            if r["prompt_len"] == plen and r["aggregate_decode_tok_s"] is not None
-        )
-        tok_series += _series_pair(pts, colors[i % len(colors)], f"decode, {plen} tok",
-                                   f"output, {plen} tok", "x--")
-    for i, conc in enumerate(sorted({r["concurrency"] for r in runs})):
-        pts = sorted(
-            (r["prompt_len"], r["ttft_s"]["p50"], r["ttft_s"]["p90"])
-            for r in runs
-            if r["concurrency"] == conc and r["ttft_s"]
-        )
-        ttft_series += _series_pair(pts, colors[i % len(colors)], f"p50, c={conc}",
-                                    f"p90, c={conc}", ":")
-    plens = sorted({r["prompt_len"] for r in runs})
-    return [
-        _chart(plt, tok_series, stem.with_name(stem.name + "-tok_s.png"), {
-            "xticks": sorted({r["concurrency"] for r in runs}),
-            "xlabel": "concurrent streams",
-            "ylabel": "aggregate tok/s (output = end-to-end incl. prefill)",
-            "title": f"Aggregate throughput — {title}",
-        }),
-        _chart(plt, ttft_series, stem.with_name(stem.name + "-ttft.png"), {
-            "xticks": plens,
-            "log2": len(plens) > 1 and plens[-1] / plens[0] >= 8,
-            "xlabel": "prompt length (tokens)",
-            "ylabel": "TTFT (s)",
-            "title": f"Time to first token — {title}",
-        }),
-    ]
-
-
-def _series_pair(pts: list[tuple], color: str, label_a: str, label_b: str, b_style: str) -> list:
-    """Column 1 as a solid line and column 2 in `b_style`, same colour; nothing if no points."""
-    if not pts:
-        return []
-    xs = [p[0] for p in pts]
-    return [
-        (label_a, xs, [p[1] for p in pts], "o-", {"color": color}),
-        (label_b, xs, [p[2] for p in pts], b_style, {"color": color, "alpha": 0.6}),
-    ]
+    levels, title = result["levels"], f"profile {result['provenance']['profile']}"
+    charts = []
+    if by_content := content_acceptance(levels):
+        lines = [(range(1, len(a["per_position"]) + 1), a["per_position"],
+                  f"{kind} (len {a['mean_acceptance_length']:.2f})")
+                 for kind, a in by_content.items()]
+        charts.append(("acceptance", lines, "draft position", "accepted / drafts",
+                       f"Acceptance by draft position, {title}"))
+    lines = []
+    for kind in dict.fromkeys(lv["content"] for lv in levels):
+        for plen in sorted({lv["prompt_len"] for lv in levels}):
+            pts = sorted((lv["concurrency"], lv["server_decode_tok_s"]) for lv in levels
+                         if (lv["content"], lv["prompt_len"]) == (kind, plen)
+                         and lv["server_decode_tok_s"] is not None)
+            lines += [([c for c, _ in pts], [v for _, v in pts], f"{kind}, prompt {plen}")]
+    charts.append(("decode", lines, "concurrent requests", "server decode tok/s",
+                   f"Decode throughput, {title}"))
+    written = []
+    for suffix, series, xlabel, ylabel, chart_title in charts:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for xs, ys, label in series:
+            ax.plot(xs, ys, "o-", label=label)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=chart_title, ylim=(0, None),
+               xticks=sorted({x for xs, _, _ in series for x in xs}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(stem.with_name(f"{stem.name}-{suffix}.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

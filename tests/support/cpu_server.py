@@ -27,6 +27,10 @@ from support.net import free_port
 STARTUP_S = 600
 # The shared server requires this key, as a Spark head does (README "Security").
 CPU_TINY_API_KEY = "cpu-tiny-test-key-7d1e0b93"
+# Prefix caching on, as spark-2x serves, so clients see cache hits in usage (the cpu-tiny
+# profile keeps it off for the in-process engines of the end-to-end oracles); prompt logprobs
+# over the whole (tiny) vocabulary, for teacher forcing under a grammar.
+SERVER_ARGS = ("--enable-prefix-caching", "--max-logprobs", "-1")
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def start_cpu_tiny_server(
     cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--profile", "cpu-tiny"]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [*cmd, "--", "--port", str(port)],
+            [*cmd, "--", "--port", str(port), *SERVER_ARGS],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

@@ -3,7 +3,8 @@
     python tests/support/mixed_sampling_runner.py --method ngram --model DIR --out OUT.json
 
 One process, two engines, in this order: the speculative engine (``--method``: DSpark with
-greedy or probabilistic drafting, or vLLM's ngram) serves the rounds below; then the plain
+greedy or probabilistic drafting, the latter also with async scheduling, or vLLM's ngram)
+serves the rounds below; then the plain
 target without speculation scores every greedy output by teacher forcing. That the second
 engine starts at all is a check too: an ngram engine has loaded numba by then, which crashed
 the CPU kernel-override registration of any later engine before the overlay patched it.
@@ -58,6 +59,12 @@ SPECULATIVE = {
         "num_speculative_tokens": 4,
         "draft_sample_method": "probabilistic",
     },
+    # as the Sparks run it: vLLM's async scheduler (CPU turns it on only when asked)
+    "dspark-probabilistic-async": {
+        "method": "dspark",
+        "num_speculative_tokens": 4,
+        "draft_sample_method": "probabilistic",
+    },
     "ngram": {
         "method": "ngram",
         "num_speculative_tokens": 4,
@@ -65,6 +72,7 @@ SPECULATIVE = {
         "prompt_lookup_max": 4,
     },
 }
+ASYNC_SCHEDULING = {"dspark-probabilistic-async"}
 
 
 def pattern_prompt(rng: random.Random, length: int) -> list[int]:
@@ -89,7 +97,7 @@ def params(greedy: bool, index: int, seed: int | None = None):
     )
 
 
-def make_llm(model: str, speculative: dict | None):
+def make_llm(model: str, speculative: dict | None, async_scheduling: bool = False):
     from vllm import LLM
 
     return LLM(
@@ -102,6 +110,7 @@ def make_llm(model: str, speculative: dict | None):
         enable_prefix_caching=False,
         seed=0,
         speculative_config=speculative,
+        async_scheduling=async_scheduling,
         disable_log_stats=speculative is None,
     )
 
@@ -173,8 +182,9 @@ def main() -> None:
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    llm = make_llm(args.model, SPECULATIVE[args.method])
+    llm = make_llm(args.model, SPECULATIVE[args.method], args.method in ASYNC_SCHEDULING)
     result = serve(llm)
+    result["scheduler"] = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()

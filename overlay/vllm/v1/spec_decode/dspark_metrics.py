@@ -139,4 +139,6 @@ def publish_dspark_metrics(drafter: Any, vllm_config: Any) -> None:
             registry=None,  # multiprocess mode: values go to files, /metrics reads them
         )
     if _exporter is not None:
-        _exporter.observe(drafter.counters, len(drafter.live_request_ids), drafter.max_num_seqs)
+        _exporter.observe(
+            drafter.metrics_counters(), len(drafter.live_request_ids), drafter.max_num_seqs
+        )

@@ -33,7 +33,6 @@ feed it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -50,6 +49,7 @@ from vllm.models.deepseek_v4.common.dspark_draft import (
 from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
 from vllm.models.deepseek_v4.common.dspark_seeded_noise import RequestSeeds, keyed_race_noise
 from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
+from vllm.v1.spec_decode.dspark_counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark_graphs import DraftBlockGraphs, draft_graphs_wanted
 from vllm.v1.spec_decode.dspark_ragged import (
     SlotTable,
@@ -69,27 +69,6 @@ from vllm.v1.spec_decode.dspark_step import (
 logger = init_logger(__name__)
 
 __all__ = ["DSparkCounters", "DSparkProposer"]
-
-
-@dataclass
-class DSparkCounters:
-    """Cumulative step statistics; tests, the demo and the metrics read these, not logs."""
-
-    steps: int = 0
-    flat_steps: int = 0  # every request carried the same number of rows
-    ragged_steps: int = 0  # rows per request differed (prefill chunks + verify rows)
-    packed_steps: int = 0  # context went through the packed multi-request prefill
-    ingested_rows: int = 0  # accepted context rows handed to the ring store
-    rejected_rows: int = 0  # verify rows not stored because the target rejected them
-    drafted_tokens: int = 0  # draft tokens proposed to requests past their prefill
-    sampled_draft_tokens: int = 0  # of all drafts, those sampled at temperature > 0
-    discarded_drafts: int = 0  # drafts of requests still in chunked prefill
-    verified_tokens: int = 0  # draft tokens the target verified this run
-    accepted_tokens: int = 0  # of those, accepted
-    released_slots: int = 0  # ring rows freed (finished / preempted requests)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def _first_rows(num_rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -129,12 +108,8 @@ class DSparkProposer:
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.slot_table = SlotTable(self.max_num_seqs)
         self.live_request_ids: set[str] = set()  # ids holding a ring row
-        self._counters = DSparkCounters()
-        # Rejected rows are known on the device only; summed there, read when asked.
-        # One running total per ring row: a step adds its counts with one index_add_.
-        self._rejected_total = torch.zeros(
-            self.max_num_seqs + 1, dtype=torch.int64, device=self.device
-        )
+        # Host bookkeeping plus rejected rows summed per ring row on the device.
+        self._counters = StepCounters(self.max_num_seqs + 1, self.device)
         seed = vllm_config.model_config.seed
         self.request_seeds = RequestSeeds(0 if seed is None else int(seed))
         self.model: nn.Module | None = None
@@ -167,20 +142,16 @@ class DSparkProposer:
 
     @property
     def counters(self) -> DSparkCounters:
-        """Cumulative counters; folds in the device-side rejection total (one read, here)."""
-        rejected = int(self._rejected_total.sum())
-        if rejected:
-            self._rejected_total.zero_()
-            c = self._counters
-            c.rejected_rows += rejected
-            c.ingested_rows -= rejected
-            c.accepted_tokens -= rejected
-        return self._counters
+        """Cumulative counters, exact (one device read: end-of-run reports only)."""
+        return self._counters.exact()
 
-    @counters.setter
-    def counters(self, value: DSparkCounters) -> None:
-        self._rejected_total.zero_()
-        self._counters = value
+    def metrics_counters(self) -> DSparkCounters:
+        """Counters as of a recent step, without a device read (the per-step metrics)."""
+        return self._counters.lagged()
+
+    def reset_counters(self) -> None:
+        """Start counting from zero (a new measurement phase)."""
+        self._counters.reset()
 
     # ------------------------------------------------------------------ model
 
@@ -279,7 +250,7 @@ class DSparkProposer:
         self.request_seeds.release(req_ids)
         freed = self.slot_table.release(req_ids)
         clear_slots(self.kv_pos, freed)
-        self._counters.released_slots += len(freed)
+        self._counters.host.released_slots += len(freed)
 
     # --------------------------------------------------------------- propose
 
@@ -483,7 +454,7 @@ class DSparkProposer:
 
     def _count(self, plan: StepPlan, num_rejected: torch.Tensor) -> None:
         """Host numbers from the plan; the rejected total accumulates on the device."""
-        c, k = self._counters, self.num_speculative_tokens
+        c, k = self._counters.host, self.num_speculative_tokens
         c.steps += 1
         if plan.num_rows and plan.num_requests:
             c.flat_steps += plan.store.uniform
@@ -495,6 +466,4 @@ class DSparkProposer:
         c.sampled_draft_tokens += plan.num_sampled * k if self.probabilistic else 0
         c.verified_tokens += plan.num_verified
         c.accepted_tokens += plan.num_verified
-        if num_rejected.dtype != torch.int64:
-            num_rejected = num_rejected.long()
-        self._rejected_total.index_add_(0, plan.store.slots, num_rejected)
+        self._counters.add_rejected(plan.store.slots, num_rejected)

@@ -113,6 +113,10 @@ class DraftContext:
 
 _STAGE = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _HEAD_PARAMS = ("norm.", "hc_head_fn", "hc_head_base", "hc_head_scale", "markov_head.")
+_EXPERT_SCALE = re.compile(r"\.experts\.\d+\.w[123]\.scale$")
+_FUSED_EXPERT_PARAM = re.compile(
+    r"^(layers\.\d+\.ffn)\.experts\..*\b(w13|w2)_(weight(?:_scale(?:_inv)?)?)$"
+)
 
 
 class DSparkDeepseekV4Draft(nn.Module):
@@ -132,6 +136,10 @@ class DSparkDeepseekV4Draft(nn.Module):
         hf = draft_hf_config(vllm_config)
         self.config = hf
         s = DSparkDraftShape.from_hf_config(hf)
+        refuse_native_mega_moe(vllm_config)
+        self.num_redundant_experts = int(
+            vllm_config.parallel_config.eplb_config.num_redundant_experts
+        )
         self.shape = s
         quant_config = vllm_config.quant_config
         base = maybe_prefix(prefix, "model")
@@ -298,27 +306,30 @@ class DSparkDeepseekV4Draft(nn.Module):
     # --- weights -------------------------------------------------------------
 
     def _map_name(self, name: str) -> str | None:
-        """Checkpoint ``mtp.{j}.*`` name -> parameter name here (None: not the draft's)."""
+        """Checkpoint ``mtp.{j}.*`` name -> parameter name here (None: not the draft's).
+
+        As upstream: the name is mapped first, then every block-FP8 ``.scale`` becomes
+        ``.weight_scale_inv`` (``.weight_scale`` for MXFP4 routed experts), head-stack
+        weights included (``mtp.0.main_proj.scale`` -> ``main_proj.weight_scale_inv``).
+        """
         m = _STAGE.match(name)
         if m is None:
             return None
         stage, rest = int(m.group(1)), m.group(2)
         if stage >= len(self.layers):
             return None
-        if rest.startswith(("main_proj.", "main_norm.", "confidence_head.")) or rest.startswith(
-            _HEAD_PARAMS
-        ):
-            if rest.startswith("confidence_head.") and self.confidence_head is None:
-                return None
+        if rest.startswith("confidence_head.") and self.confidence_head is None:
+            return None
+        if rest.endswith(".scale"):
+            expert = _EXPERT_SCALE.search(rest)
+            fp4 = getattr(self.config, "expert_dtype", "fp4") == "fp4"
+            suffix = ".weight_scale" if expert and fp4 else ".weight_scale_inv"
+            rest = rest.removesuffix(".scale") + suffix
+        if rest.startswith(("main_proj.", "main_norm.", "confidence_head.", *_HEAD_PARAMS)):
             return rest
         rest = rest.replace(".shared_experts.w2.", ".shared_experts.down_proj.")
         if rest == "ffn.gate.bias":
             rest = "ffn.gate.e_score_correction_bias"
-        if rest.endswith(".scale") and not rest.startswith("hc_"):
-            expert = re.search(r"\.experts\.\d+\.w[123]\.scale$", rest)
-            fp4 = getattr(self.config, "expert_dtype", "fp4") == "fp4"
-            suffix = ".weight_scale" if expert and fp4 else ".weight_scale_inv"
-            rest = rest.removesuffix(".scale") + suffix
         return f"layers.{stage}.{rest}"
 
     def _pad_shared_expert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -339,6 +350,12 @@ class DSparkDeepseekV4Draft(nn.Module):
         return pad_to_tp_shards(tensor, 0, param.shape[0] // 2, tp_size)  # [2 * I, H] merged
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the ``mtp.*`` tensors; every draft parameter must be written.
+
+        vLLM tracks unwritten parameters only for unquantised models, so for an FP8/MXFP4
+        checkpoint a tensor missing from the files would leave a parameter as
+        ``torch.empty`` without notice: the check here names what was never written.
+        """
         from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 
         expert_mapping = fused_moe_make_expert_params_mapping(
@@ -347,6 +364,7 @@ class DSparkDeepseekV4Draft(nn.Module):
             ckpt_down_proj_name="w2",
             ckpt_up_proj_name="w3",
             num_experts=self.config.n_routed_experts,
+            num_redundant_experts=self.num_redundant_experts,
         )
         # (checkpoint needle, merged parameter, shard) of the weights loaded as shards.
         stacked = (
@@ -357,6 +375,7 @@ class DSparkDeepseekV4Draft(nn.Module):
         )
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        seen_experts: set[str] = set()
         saw_confidence = False
         for ckpt_name, tensor in weights:
             name = self._map_name(ckpt_name)
@@ -364,25 +383,8 @@ class DSparkDeepseekV4Draft(nn.Module):
                 continue
             saw_confidence |= name.startswith("confidence_head.")
             if ".ffn.experts." in name:
-                if "weight_scale" in name and tensor.dtype == torch.float8_e8m0fnu:
-                    tensor = tensor.view(torch.uint8)
-                for param_name, weight_name, expert_id, shard_id in expert_mapping:
-                    if weight_name not in name:
-                        continue
-                    target = name.replace(weight_name, param_name)
-                    param = params[target]
-                    if param.weight_loader(
-                        param,
-                        tensor,
-                        target,
-                        shard_id=shard_id,
-                        expert_id=expert_id,
-                        return_success=True,
-                    ):
-                        loaded.add(target)
-                        break
-                else:
-                    raise ValueError(f"no expert parameter for checkpoint weight {ckpt_name!r}")
+                seen_experts.add(name)
+                loaded |= self._load_expert(ckpt_name, name, tensor, params, expert_mapping)
                 continue
             if ".shared_experts." in name:
                 tensor = self._pad_shared_expert(name, tensor)
@@ -393,17 +395,12 @@ class DSparkDeepseekV4Draft(nn.Module):
                         layer = int(name.split(".")[1])
                         targets.append((f"context_wkv_proj.{name.rsplit('.', 1)[1]}", layer))
                     for target, target_shard in targets:
-                        param = params[target]
+                        param = self._param(params, ckpt_name, target)
                         param.weight_loader(param, tensor, target_shard)
                         loaded.add(target)
                     break
             else:
-                if name not in params:
-                    raise ValueError(
-                        f"checkpoint weight {ckpt_name!r} maps to {name!r}, which the DSpark "
-                        "draft does not have"
-                    )
-                param = params[name]
+                param = self._param(params, ckpt_name, name)
                 if name.endswith("attn.attn_sink"):
                     heads = param.numel()
                     param.data.copy_(tensor[:heads].to(param.dtype).view(param.shape))
@@ -414,7 +411,85 @@ class DSparkDeepseekV4Draft(nn.Module):
             logger.warning("DSpark checkpoint has no confidence head weights; confidence disabled")
             self.confidence_head = None
             loaded = {n for n in loaded if not n.startswith("confidence_head.")}
+        missing = sorted(set(dict(self.named_parameters())) - loaded)
+        missing += sorted(self._expected_expert_tensors() - seen_experts)
+        if missing:
+            more = len(missing) - 8
+            shown = ", ".join(missing[:8]) + (f" and {more} more" if more > 0 else "")
+            last = len(self.layers) - 1
+            raise ValueError(
+                f"DSpark draft: the checkpoint wrote nothing to {len(missing)} parameter(s): "
+                f"{shown} (a {last + 1}-stage draft expects mtp.0..mtp.{last})"
+            )
         return loaded
+
+    def _expected_expert_tensors(self) -> set[str]:
+        """Every routed expert's tensors (mapped names), from the fused expert parameters.
+
+        A fused parameter is written by any of its experts, so each expert is checked on
+        its own: the checkpoint must hold every expert, local to this rank or not.
+        """
+        expected = set()
+        for name, _ in self.named_parameters():
+            m = _FUSED_EXPERT_PARAM.match(name)
+            if m is None:
+                continue
+            ffn, fused, suffix = m.groups()
+            for expert in range(self.config.n_routed_experts):
+                for proj in ("w1", "w3") if fused == "w13" else ("w2",):
+                    expected.add(f"{ffn}.experts.{expert}.{proj}.{suffix}")
+        return expected
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], ckpt_name: str, name: str) -> nn.Parameter:
+        if name not in params:
+            raise ValueError(
+                f"checkpoint weight {ckpt_name!r} maps to {name!r}, which the DSpark draft "
+                "does not have"
+            )
+        return params[name]
+
+    @staticmethod
+    def _load_expert(ckpt_name, name, tensor, params, expert_mapping) -> set[str]:
+        """One routed expert's tensor into its fused parameter; set of what was written.
+
+        With expert parallelism the loader of a non-local expert returns False: skipped,
+        as upstream. Only a name that no mapping matches is an error.
+        """
+        if "weight_scale" in name and tensor.dtype == torch.float8_e8m0fnu:
+            tensor = tensor.view(torch.uint8)
+        matched = False
+        for param_name, weight_name, expert_id, shard_id in expert_mapping:
+            if weight_name not in name:
+                continue
+            matched = True
+            target = name.replace(weight_name, param_name)
+            param = DSparkDeepseekV4Draft._param(params, ckpt_name, target)
+            if param.weight_loader(
+                param, tensor, target, shard_id=shard_id, expert_id=expert_id, return_success=True
+            ):
+                return {target}
+        if not matched:
+            raise ValueError(f"no expert parameter for checkpoint weight {ckpt_name!r}")
+        return set()
+
+
+def refuse_native_mega_moe(vllm_config: VllmConfig) -> None:
+    """The draft's MoE is vLLM's fused MoE; DeepGEMM MegaMoE needs other parameters.
+
+    Upstream loads MegaMoE experts with its own mapping and a finalize step that this
+    draft does not have, so such a backend is refused before any weight is read.
+    """
+    from vllm.config.kernel import NATIVE_MEGA_MOE_BACKENDS
+
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    backend = getattr(kernel_config, "moe_backend", None)
+    if backend in NATIVE_MEGA_MOE_BACKENDS:
+        raise ValueError(
+            f"moe_backend={backend!r} is not supported with the overlay's DSpark draft "
+            f"(speculative.runner=overlay); use another MoE backend (not one of "
+            f"{sorted(NATIVE_MEGA_MOE_BACKENDS)}) or speculative.runner=upstream"
+        )
 
 
 def load_dspark_draft(vllm_config: VllmConfig) -> DSparkDeepseekV4Draft:

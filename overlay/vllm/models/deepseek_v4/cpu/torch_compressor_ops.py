@@ -353,7 +353,7 @@ def topk_transform_512_cpu(
 
 # --------------------------------------------------------------------------- registry
 
-_SCHEMAS = {
+SCHEMAS = {
     "save_partial_states_cpu": (
         "save_partial_states_cpu(Tensor kv, Tensor score, Tensor ape, Tensor positions, "
         "Tensor(a!) state_cache, Tensor slot_mapping) -> ()"
@@ -391,4 +391,4 @@ MISSING_BEFORE_REGISTRATION: list[str] = []
 
 def register_missing_compressor_ops() -> list[str]:
     """Register the torch version of every compressor/indexer kernel ``torch.ops._C`` lacks."""
-    return register_missing_kernels(_SCHEMAS, globals(), MISSING_BEFORE_REGISTRATION)
+    return register_missing_kernels(SCHEMAS, globals(), MISSING_BEFORE_REGISTRATION)

@@ -28,7 +28,7 @@ from ..common.fp8_ds_mla import (
     quantize_blocks,
 )
 
-__all__ = ["MISSING_BEFORE_REGISTRATION", "register_missing_ops"]
+__all__ = ["MISSING_BEFORE_REGISTRATION", "SCHEMAS", "register_missing_ops"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -247,7 +247,7 @@ def hash_topk_cpu(
 
 # --------------------------------------------------------------------------- registry
 
-_SCHEMAS = {
+SCHEMAS = {
     "hc_pre_fused_cpu": (
         "hc_pre_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
         "int hc_mult, int sinkhorn_iters, float rms_eps, float hc_eps) -> (Tensor, Tensor, Tensor)"
@@ -321,4 +321,4 @@ def register_missing_kernels(
 
 def register_missing_ops() -> list[str]:
     """Register the torch version of every SWA-path kernel ``torch.ops._C`` lacks."""
-    return register_missing_kernels(_SCHEMAS, globals(), MISSING_BEFORE_REGISTRATION)
+    return register_missing_kernels(SCHEMAS, globals(), MISSING_BEFORE_REGISTRATION)

@@ -1,0 +1,1 @@
+"""`make rehearse`: the two-Spark launch run for real on one Linux machine (scripts/rehearse.py)."""
