@@ -43,7 +43,11 @@ from pathlib import Path
 RECORD = "dspark_draft_training.json"
 # Options that are counts (each must be >= 1) and, with the seed and loss, what a run is.
 SIZES = ("sequences", "held_out", "gen_len", "steps", "blocks", "step_sequences")
-MAX_MODEL_LEN = 512  # the target engine's and the twin's position range
+MAX_MODEL_LEN = 512
+TRAINABLE_DTYPES = (
+    "torch.bfloat16",
+    "torch.float32",
+)  # the target engine's and the twin's position range
 FIRST_ORDINARY_ID = 9  # ids 0..8 are special tokens (make_tiny_model.SPECIAL_TOKENS)
 ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
@@ -75,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--traces-cache",
         type=Path,
         default=None,
-        help="keep the target's traces in this file: a later run with the same prompts and "
+        help="keep the target's traces in this file: a later run on the same target with the "
+        "same prompts and "
         "--gen-len loads them instead of running the target again",
     )
     p.add_argument("--force", action="store_true", help="train again even if recorded")
@@ -339,6 +344,18 @@ def main(argv=None) -> int:
     from target_traces import collect_traces_in_child, random_prompts
     from tqdm import tqdm
 
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    quantized = sorted(
+        n
+        for n, t in tensors.items()
+        if n.startswith("mtp.") and str(t.dtype) not in TRAINABLE_DTYPES
+    )
+    if quantized:
+        raise SystemExit(
+            f"error: {model_dir}: the draft tensors must be bf16 or fp32 to train them, got "
+            f"{tensors[quantized[0]].dtype} for {quantized[0]} (and {len(quantized) - 1} more); "
+            "train the bf16 checkpoint (make_tiny_model.py without --format real)"
+        )
     torch.manual_seed(args.seed)
     torch.set_flush_denormal(True)  # Adam's second moments of tiny gradients, else 10x slower
     t0 = time.monotonic()
@@ -363,7 +380,6 @@ def main(argv=None) -> int:
             torch.save([vars(t) for t in traces], args.traces_cache)
     trace_seconds = time.monotonic() - t0
     torch.set_num_threads(args.threads)
-    tensors = load_file(str(model_dir / "model.safetensors"))
     n = int(cfg["dspark_block_size"])
     train_corpus = Corpus(traces[: args.sequences], n)
     held_out = Corpus(traces[args.sequences :], n)
