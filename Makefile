@@ -59,8 +59,9 @@ $(TRITON_ORACLE)/.stamp: recipe/pins.yaml | $(PY)
 	rm -rf $(TRITON_ORACLE) && $(PY) -m pip install -q --no-deps --target $(TRITON_ORACLE) triton==3.9.0
 	touch $@
 
-model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/
+model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/, train its draft (once)
 	@[ -f $(TINY_MODEL)/config.json ] || $(PY) scripts/make_tiny_model.py --dspark --out $(TINY_MODEL)
+	@$(VLLM_CPU_ENV) $(PY) scripts/train_tiny_draft.py --model $(TINY_MODEL)
 
 demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
 	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) scripts/demo.py --model $(TINY_MODEL)

@@ -1,18 +1,17 @@
 """`make demo`: DSpark speculative decoding inside real vLLM (CPU build), end to end.
 
-1. Generates the tiny DeepSeek-V4-DSpark checkpoint if it is missing.
+1. Generates the tiny DeepSeek-V4-DSpark checkpoint if it is missing and trains its draft
+   against the tiny target once (``train_tiny_draft.py``; recorded beside the checkpoint).
 2. Starts the plain target (no speculation) in a child process: it decodes the greedy
-   reference, drafts the oracle continuations and scores every output by teacher forcing.
+   reference (the no-speculation baseline, timed) and scores every output by teacher forcing.
 3. Decodes a batch of prompts of very different lengths (1 to ~300 tokens) with DSpark on
-   vLLM's V1 runner (the overlay's proposer), with the cpu-tiny profile's demo chunk size so
-   engine steps mix prefill chunks and verify rows.
-4. Runs the batch once more with "oracle" drafts (test hook): the target's own greedy
-   continuation of each request's current prefix, so the verify path accepts whole blocks
-   (the random tiny draft model itself almost never guesses right).
-5. Prints the outputs, the teacher-forcing verdict (``lossless: YES/NO``, worst deficit,
+   vLLM's V1 runner (the overlay's proposer and the trained draft), with the cpu-tiny
+   profile's demo chunk size so engine steps mix prefill chunks and verify rows.
+4. Prints the outputs, the teacher-forcing verdict (``lossless: YES/NO``, worst deficit,
    epsilon), token-identical counts against the greedy reference (information only: bf16
    kernels round differently under different batch shapes), the proposer's flat vs ragged
-   step counts, drafted/accepted tokens and tokens/s. Exits 1 only on a real violation.
+   step counts, vLLM's acceptance length and per-position acceptance, and tokens/s with and
+   without speculation. Exits 1 only on a real violation.
 
 Usage: python scripts/demo.py [--profile cpu-tiny] [--model DIR] [--max-tokens 32]
 """
@@ -26,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-from oracle_drafts import OracleDrafts
 from plain_target import ENGINE_ENV_DEFAULTS, PlainTarget
 from teacher_forcing import report
 
@@ -54,12 +52,34 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def ensure_model(path: Path) -> Path:
-    if (path / "config.json").exists():
-        return path
-    cmd = [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--dspark"]
-    print(f">> generating the tiny DeepSeek-V4-DSpark checkpoint: {path}")
-    subprocess.run([*cmd, "--out", str(path), "--quiet", "--force"], check=True)
+    """The tiny checkpoint with its trained draft (each step skipped when already done)."""
+    if not (path / "config.json").exists():
+        cmd = [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--dspark"]
+        print(f">> generating the tiny DeepSeek-V4-DSpark checkpoint: {path}")
+        subprocess.run([*cmd, "--out", str(path), "--quiet", "--force"], check=True)
+    train = [sys.executable, str(REPO / "scripts" / "train_tiny_draft.py"), "--model", str(path)]
+    subprocess.run(train, check=True)
     return path
+
+
+def acceptance(engine) -> dict:
+    """vLLM's own speculative-decoding counters: acceptance length, per position."""
+    totals: dict[str, float] = {}
+    per_pos: list[int] = []
+    for metric in engine.get_metrics():
+        name = metric.name.removesuffix("_total")
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            previous = per_pos or [0] * len(metric.values)
+            per_pos = [a + b for a, b in zip(metric.values, previous, strict=True)]
+        elif name.startswith("vllm:spec_decode_num_"):
+            totals[name] = totals.get(name, 0) + float(metric.value)
+    drafts = totals.get("vllm:spec_decode_num_drafts", 0.0)
+    accepted = totals.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    return {
+        "drafts": int(drafts),
+        "length": 1.0 + accepted / drafts if drafts else float("nan"),
+        "per_position": [a / drafts for a in per_pos] if drafts else [],
+    }
 
 
 def make_engine(engine_kwargs: dict):
@@ -67,7 +87,9 @@ def make_engine(engine_kwargs: dict):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs, seed=0))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(**engine_kwargs, seed=0, disable_log_stats=False)
+    )
     if not engine.vllm_config.scheduler_config.enable_chunked_prefill:
         raise SystemExit(
             "vLLM turned chunked prefill off for DeepSeek-V4 on this CPU; the overlay keeps "
@@ -97,7 +119,7 @@ def generate(engine, batch, max_tokens: int) -> tuple[list[list[int]], float, in
 def print_outputs(tok, batch, reference, runs) -> None:
     """One line per prompt: worst deficit and token identity per run, first tokens."""
     names = "  ".join(f"{name + ' deficit':>14} {'same':5}" for name, _, _ in runs)
-    print(f"{'prompt':>6} {'len':>4}  {names}  output with oracle drafts (first tokens)")
+    print(f"{'prompt':>6} {'len':>4}  {names}  output with DSpark (first tokens)")
     for i, p in enumerate(batch):
         cells = "  ".join(
             f"{rep.request_worst[i]:14.4f} {str(outs[i] == reference[i]):5}"
@@ -127,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f">> profile {profile['name']}: {chunk}-token chunked prefill, {num_spec} drafts/step")
 
 
-    print(">> [1/3] greedy decoding without speculation (plain target, child process)")
+    print(">> [1/2] greedy decoding without speculation (plain target, child process)")
     with PlainTarget({**target_kwargs, "seed": 0}) as target:
         engine = make_engine(spec_kwargs)
         tok = engine.get_tokenizer()
@@ -136,43 +158,30 @@ def main(argv: list[str] | None = None) -> int:
         reference = target.greedy(batch, args.max_tokens)
         base_seconds = time.monotonic() - t0
 
-        print(">> [2/3] DSpark on vLLM's V1 runner (draft model of the checkpoint's mtp.* stages)")
+        print(">> [2/2] DSpark on vLLM's V1 runner (the checkpoint's trained mtp.* draft)")
         drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
         drafter.reset_counters()
         outputs, seconds, steps = generate(engine, batch, args.max_tokens)
         real = drafter.counters.as_dict()
-
-        print(">> [3/3] DSpark with oracle drafts (the target's greedy continuation, test hook)")
-        drafter.reset_counters()
-        oracle_hook = OracleDrafts(
-            target, {f"p{i}": p for i, p in enumerate(batch)}, args.max_tokens + num_spec + 1
-        )
-        drafter.draft_override = oracle_hook
-        oracle_outputs, oracle_seconds, oracle_steps = generate(engine, batch, args.max_tokens)
-        drafter.draft_override = None
-        oracle = drafter.counters.as_dict()
+        accept = acceptance(engine)
 
         print(">> scoring every output by teacher forcing with the plain target")
         real_rep = target.teacher_force(batch, outputs, reference)
-        oracle_rep = target.teacher_force(batch, oracle_outputs, reference)
 
     n = len(batch)
     n_tokens = n * args.max_tokens
     print()
-    print_outputs(
-        tok, batch, reference, [("real", outputs, real_rep), ("oracle", oracle_outputs, oracle_rep)]
-    )
-    both = report([real_rep.request_worst, oracle_rep.request_worst], real_rep.epsilon)
+    print_outputs(tok, batch, reference, [("DSpark", outputs, real_rep)])
+    both = report([real_rep.request_worst], real_rep.epsilon)
     print()
     print(
         f"lossless: {'YES' if both.ok else 'NO'} (teacher forcing: every emitted token is the "
         f"plain target's argmax given its run's own prefix, within epsilon "
         f"{both.epsilon:g} nats of the best)"
     )
-    for name, rep in (("real drafts", real_rep), ("oracle drafts", oracle_rep)):
-        print(f"  {name + ':':15}{rep.summary(n)}")
-        for i, j, d in rep.violations[:5]:
-            print(f"    VIOLATION: prompt p{i}, output token {j}: {d:.3f} nats below the best")
+    print(f"  {real_rep.summary(n)}")
+    for i, j, d in real_rep.violations[:5]:
+        print(f"    VIOLATION: prompt p{i}, output token {j}: {d:.3f} nats below the best")
     print(
         "  token-identical counts equality with greedy decoding without speculation: "
         "information only (bf16 kernels round differently under different batch shapes)"
@@ -180,26 +189,25 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"engine steps: DSpark {steps} "
         f"(proposer: {real['flat_steps']} flat + {real['ragged_steps']} ragged, "
-        f"{real['packed_steps']} with packed prefill; {chunk}-token chunked prefill), "
-        f"oracle {oracle_steps} ({oracle['flat_steps']} flat + {oracle['ragged_steps']} ragged)"
+        f"{real['packed_steps']} with packed prefill; {chunk}-token chunked prefill)"
     )
     print(
         f"context rows ingested: {real['ingested_rows']} (rejected verify rows, never "
         f"stored: {real['rejected_rows']}; drafts discarded while in chunked prefill: "
         f"{real['discarded_drafts']})"
     )
+    per_pos = ", ".join(f"{a:.2f}" for a in accept["per_position"])
     print(
-        f"drafted/accepted: random draft {real['drafted_tokens']} drafted, "
-        f"{real['accepted_tokens']}/{real['verified_tokens']} verified accepted; "
-        f"oracle {oracle['accepted_tokens']}/{oracle['verified_tokens']} accepted "
-        f"({oracle['accepted_tokens'] / max(1, oracle_steps):.1f} per step; continuation "
-        f"recomputed after a near-tie {oracle_hook.recomputed} times)"
+        f"acceptance (trained tiny draft, vLLM's counters): length {accept['length']:.2f} "
+        f"tokens per step over {accept['drafts']} drafting steps; per position [{per_pos}]; "
+        f"{real['accepted_tokens']}/{real['verified_tokens']} verified drafts accepted"
     )
+    base_rate, spec_rate = n_tokens / base_seconds, n_tokens / seconds
+    verdict = "pays" if spec_rate > base_rate else "does not pay on this CPU"
     print(
-        f"tokens/s ({n_tokens} output tokens, 2 CPU cores): no speculation "
-        f"{n_tokens / base_seconds:.1f}, DSpark {n_tokens / seconds:.1f}, "
-        f"DSpark+oracle drafts {n_tokens / oracle_seconds:.1f} (its time includes the plain "
-        "target computing the oracle drafts; all three swing with load on shared cores)"
+        f"tokens/s ({n_tokens} output tokens, same run): no speculation {base_rate:.1f}, "
+        f"DSpark {spec_rate:.1f} ({spec_rate / base_rate:.2f}x: speculation {verdict}; "
+        "both swing with load on shared cores)"
     )
     return 0 if both.ok else 1
 

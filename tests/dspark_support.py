@@ -12,11 +12,14 @@ TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = None) -> Path:
-    """A tiny DeepSeek-V4-DSpark checkpoint, generated on first use."""
-    if not (path / "config.json").exists():
-        import subprocess
-        import sys
+    """A tiny DeepSeek-V4-DSpark checkpoint, generated on first use.
 
+    The default checkpoint (the demo's) also gets its trained draft, once per machine.
+    """
+    import subprocess
+    import sys
+
+    if not (path / "config.json").exists():
         extra = [] if compress_ratios is None else ["--compress-ratios", compress_ratios]
         subprocess.run(
             [
@@ -31,6 +34,9 @@ def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = Non
             ],
             check=True,
         )
+    if path == TINY_MODEL:
+        train = [sys.executable, str(REPO / "scripts" / "train_tiny_draft.py"), "--quiet"]
+        subprocess.run([*train, "--model", str(path)], check=True)
     return path
 
 

@@ -88,6 +88,9 @@ def test_greedy_dspark_is_lossless_by_teacher_forcing(dspark):
     assert c["ragged_steps"] > 0, c  # prefills mixed with verify rows
     assert c["flat_steps"] > 0, c  # decode-only steps
     assert c["drafted_tokens"] > 0 and c["verified_tokens"] > 0, c
+    # The checkpoint's trained draft (train_tiny_draft.py): some drafts accepted, some not.
+    assert 0 < c["accepted_tokens"] < c["verified_tokens"], c
+    assert c["rejected_rows"] > 0, c
     assert c["ingested_rows"] >= sum(runner.LOSSLESS), c
     assert c["packed_steps"] > 0, c  # prefill chunks went through the packed ingestion
     assert c["discarded_drafts"] > 0, c  # requests drafted while still in chunked prefill
