@@ -69,10 +69,10 @@ demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main
 serve: setup model ## `vllm serve` with the cpu-tiny profile's arguments (Ctrl-C stops)
 	$(VLLM_CPU_ENV) $(PY) scripts/serve.py --profile $(PROFILE)
 
-test: setup $(TRITON_ORACLE)/.stamp ## set up, then run the whole test suite (CPU)
+test: setup model $(TRITON_ORACLE)/.stamp ## set up (tiny checkpoint and its trained draft included), then run the whole test suite (CPU)
 	$(VLLM_CPU_ENV) $(PY) -m pytest
 
-test-fast: setup ## the suite without the real-vLLM end-to-end tests
+test-fast: setup model ## the suite without the real-vLLM end-to-end tests
 	$(PY) -m pytest -m "not e2e"
 
 mutation: setup ## mutation testing of the core modules (~20 min, not in `make test`): score per module, survivors; MODULES="a b" for some
