@@ -50,11 +50,10 @@ _ISA_LEVELS = {
 }
 _NO_CAP = ("", "ALL", "DEFAULT")
 AVX2, AVX512, AVX512_BF16, AMX, AMX_FP16 = 2, 5, 7, 9, 10
-# What each probe vLLM reads needs, as an ISA level.
+# The probes that choose vLLM's oneDNN-backed kernels, and the ISA level each needs. The
+# plain AVX2/AVX-512 probes stay as CPUID says: they pick compiled code (vLLM's library,
+# torch inductor's vector ISA), which runs whatever oneDNN is capped to.
 _PROBE_LEVEL = {
-    "_is_avx2_supported": AVX2,
-    "_is_avx512_supported": AVX512,
-    "_is_vnni_supported": 6,
     "_is_avx512_bf16_supported": AVX512_BF16,
     "_is_amx_tile_supported": AMX,
     "_is_amx_fp16_supported": AMX_FP16,
