@@ -73,7 +73,7 @@ class RolledBack(Refused):
 
 @dataclass(frozen=True)
 class Entry:
-    path: str  # relative to the target, e.g. vllm/v1/spec_decode/dspark_ragged.py
+    path: str  # relative to the target, e.g. vllm/v1/spec_decode/dspark/context_store.py
     kind: str
     upstream_sha256: str | None
     patch: str | None

@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "bench-results"
 
 
-pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
-dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
+pp = load_overlay_module("vllm/v1/spec_decode/dspark/packed_prefill.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
+rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -148,7 +149,7 @@ def ingest_inputs(num_tokens: int, args) -> dict:
 
 def fresh_caches(num_slots: int, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [
-        dr.allocate_rings(num_slots, args.window, args.dim, torch.float32, "cpu")
+        rings.allocate_rings(num_slots, args.window, args.dim, torch.float32, "cpu")
         for _ in range(args.layers)
     ]
 

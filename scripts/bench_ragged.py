@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "bench-results"
 VERIFY_ROWS = 6  # anchor + 5 drafts
 
-dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
 # One engine step carries at most the packed prefill cap (the overlay's constant, one source).
 MAX_TOKENS = load_overlay_module(
-    "vllm/models/deepseek_v4/common/packed_prefill.py"
+    "vllm/v1/spec_decode/dspark/packed_prefill.py"
 ).MAX_PACKED_TOKENS
 
 

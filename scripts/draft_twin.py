@@ -1,6 +1,6 @@
 """A trainable pure-torch twin of the overlay's DeepSeek-V4 DSpark draft.
 
-The overlay's draft (``vllm/models/deepseek_v4/common/dspark_draft.py``) is built from
+The overlay's draft (``vllm/models/deepseek_v4/common/dspark/model.py``) is built from
 vLLM layers that run inference kernels (fused MoE, packed GEMMs, mHC custom ops) and
 carry no gradients. Training needs the same function with autograd, so this module
 computes it again in fp32 torch from the checkpoint's own ``mtp.*`` tensors: the
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from vllm.models.deepseek_v4.common.dspark_draft_layers import (
+from vllm.models.deepseek_v4.common.dspark.layers import (
     DraftRope,
     block_key_bias,
     fp8_nope_roundtrip,

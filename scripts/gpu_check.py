@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 from overlay_source import load_overlay_module
 
-dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
-pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
-step_mod = load_overlay_module("vllm/v1/spec_decode/dspark_step.py")
-markov = load_overlay_module("vllm/models/deepseek_v4/common/dspark_markov.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
+rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
+pp = load_overlay_module("vllm/v1/spec_decode/dspark/packed_prefill.py")
+step_mod = load_overlay_module("vllm/v1/spec_decode/dspark/step_plan.py")
+markov = load_overlay_module("vllm/models/deepseek_v4/common/dspark/markov.py")
 
 WINDOW, DIM, SLOTS, K = 16, 64, 64, 4
 
@@ -91,7 +92,7 @@ def plan_for(step, device, allow_flat=True):
 
 
 def device_store(step, device, allow_flat=True):
-    cache, cache_pos = dr.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
+    cache, cache_pos = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
     plan = plan_for(step, device, allow_flat)
     args = (
         step["kv"].to(device),
@@ -105,7 +106,7 @@ def device_store(step, device, allow_flat=True):
 
 def check_store(step, device, allow_flat=True):
     cache, cache_pos, plan, _ = device_store(step, device, allow_flat)
-    ref_c, ref_p = dr.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, "cpu")
+    ref_c, ref_p = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, "cpu")
     reference_store(
         ref_c, ref_p, step["kv"], step["positions"], step["qsl"], step["slots"], step["rejected"]
     )
@@ -147,7 +148,7 @@ def check_packed(device):
         ]
 
     features = torch.randn(step["qsl"][-1], 2 * DIM, generator=torch.Generator().manual_seed(2))
-    cache, cache_pos = dr.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
+    cache, cache_pos = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
     qsl = torch.tensor(step["qsl"])
     positions = torch.tensor(step["positions"])
     pp.ingest_packed_prefill(
@@ -160,7 +161,7 @@ def check_packed(device):
         max_model_len=4096,
         num_rejected=torch.tensor(step["rejected"], device=device),
     )
-    ref_c, ref_p = dr.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, "cpu")
+    ref_c, ref_p = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, "cpu")
     # The device's own projection of the same N rows: this checks routing, not matmul.
     kv = project(features.to(device), positions.to(device))[:, 0].cpu()
     reference_store(

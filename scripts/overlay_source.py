@@ -21,7 +21,7 @@ ROOT_PACKAGE = "_overlay"
 
 
 def load_overlay_module(rel_path: str) -> ModuleType:
-    """overlay/<rel_path>, e.g. "vllm/v1/spec_decode/dspark_ragged.py", loaded once per process."""
+    """overlay/<rel_path>, e.g. "vllm/v1/spec_decode/dspark/context_store.py", loaded once per process."""
     path = OVERLAY / rel_path
     if path.suffix != ".py" or not path.is_file():
         raise FileNotFoundError(f"rel_path: no overlay source file {path}")

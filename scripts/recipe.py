@@ -83,7 +83,7 @@ def overlay_constant(rel_path: str, name: str) -> Any:
 # DSpark's packed prefill cap: one engine step (chunk) never carries more tokens. The overlay
 # module that enforces it is the one source.
 MAX_BATCHED_TOKENS = overlay_constant(
-    "vllm/models/deepseek_v4/common/packed_prefill.py", "MAX_PACKED_TOKENS"
+    "vllm/v1/spec_decode/dspark/packed_prefill.py", "MAX_PACKED_TOKENS"
 )
 
 

@@ -101,7 +101,7 @@ class FirstSight:
 def window_has_holes(drafter, req_id: str, anchor: int) -> bool:
     """Whether the request's ring lacks any of the W positions before its anchor."""
     import torch
-    from vllm.v1.spec_decode.dspark_ragged import window_mask
+    from vllm.v1.spec_decode.dspark.context_store import window_mask
 
     slot = drafter.slot_table.slot_of(req_id)
     slots = torch.tensor([slot], dtype=torch.int64, device=drafter.device)

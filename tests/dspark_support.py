@@ -160,7 +160,7 @@ def make_proposer(draft, vc, *, num_spec=None, probabilistic=False, max_num_seqs
     """
     from types import SimpleNamespace
 
-    from vllm.v1.spec_decode.dspark_proposer import DSparkProposer
+    from vllm.v1.spec_decode.dspark.proposer import DSparkProposer
 
     hf = vc.model_config.hf_config
     vc.speculative_config = SimpleNamespace(

@@ -468,7 +468,7 @@ def test_journal_names_every_entry_its_backup_and_target_state(tmp_path):
 # A few boundaries on the real overlay and both real targets (the sweep above covers all).
 REAL_KILLS = [
     ("apply", "wrote vllm/v1/worker/gpu_model_runner.py"),
-    ("update", "wrote vllm/v1/spec_decode/dspark_ragged.py"),
+    ("update", "wrote vllm/v1/spec_decode/dspark/context_store.py"),
     ("revert", "restored vllm/models/deepseek_v4/cpu/dspark.py"),
 ]
 
@@ -479,7 +479,7 @@ def test_kill_on_real_targets(target, op, label, tmp_path):
     v1 = REPO / "overlay"
     v2 = tmp_path / "overlay-v2"
     shutil.copytree(v1, v2)
-    ragged = v2 / "vllm" / "v1" / "spec_decode" / "dspark_ragged.py"
+    ragged = v2 / "vllm" / "v1" / "spec_decode" / "dspark" / "context_store.py"
     ragged.write_text(ragged.read_text() + "# a later overlay version\n")
     overlay = v2 if op == "update" else v1
     reference = clone(target, tmp_path / "reference")

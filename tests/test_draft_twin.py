@@ -13,8 +13,8 @@ import torch
 from draft_twin import DraftTwin
 from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context
-from vllm.models.deepseek_v4.common.dspark_draft import DraftContext
-from vllm.v1.spec_decode.dspark_ragged import window_mask
+from vllm.models.deepseek_v4.common.dspark.model import DraftContext
+from vllm.v1.spec_decode.dspark.context_store import window_mask
 
 # Relative to the largest |value| of the overlay's tensor (max) and to its mean |value|
 # (mean): bf16 keeps 8 significant bits, and each of the draft's layers rounds its GEMM

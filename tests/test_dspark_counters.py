@@ -12,7 +12,7 @@ from dataclasses import fields
 
 import torch
 from support.host_reads import HostReadGuard
-from vllm.v1.spec_decode.dspark_counters import DSparkCounters, StepCounters
+from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 
 
 def _step(counters: StepCounters, tally: dict, rng: random.Random, num_rows: int) -> None:

@@ -1,6 +1,6 @@
 """DSpark draft model alone (no engine): packed == alone, attention, Markov and heads.
 
-Runs the overlay's draft (``vllm/models/deepseek_v4/common/dspark_draft.py``) with the
+Runs the overlay's draft (``vllm/models/deepseek_v4/common/dspark/model.py``) with the
 tiny checkpoint's ``mtp.*`` weights inside a 1-rank vLLM context on CPU.
 """
 
@@ -10,19 +10,19 @@ import pytest
 import torch
 from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context  # noqa: E402
-from vllm.models.deepseek_v4.common.dspark_draft import DraftContext  # noqa: E402
-from vllm.models.deepseek_v4.common.dspark_draft_layers import (  # noqa: E402
+from vllm.models.deepseek_v4.common.dspark.layers import (  # noqa: E402
     DraftRMSNorm,
     block_key_bias,
     fp8_nope_roundtrip,
     unit_rms_norm,
 )
+from vllm.models.deepseek_v4.common.dspark.model import DraftContext  # noqa: E402
 from vllm.models.deepseek_v4.common.fp8_ds_mla import (  # noqa: E402
     QUANT_BLOCK,
     quantize_blocks,
     roundtrip_blocks,
 )
-from vllm.v1.spec_decode.dspark_ragged import window_mask  # noqa: E402
+from vllm.v1.spec_decode.dspark.context_store import window_mask  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -338,11 +338,11 @@ def test_unknown_draft_weight_is_refused(draft_env):
 
 
 OVERLAY_DSPARK_MODULES = (
-    "overlay/vllm/v1/spec_decode/dspark_proposer.py",
-    "overlay/vllm/v1/spec_decode/dspark_ragged.py",
-    "overlay/vllm/models/deepseek_v4/common/dspark_draft.py",
-    "overlay/vllm/models/deepseek_v4/common/dspark_markov.py",
-    "overlay/vllm/models/deepseek_v4/common/packed_prefill.py",
+    "overlay/vllm/v1/spec_decode/dspark/proposer.py",
+    "overlay/vllm/v1/spec_decode/dspark/context_store.py",
+    "overlay/vllm/models/deepseek_v4/common/dspark/model.py",
+    "overlay/vllm/models/deepseek_v4/common/dspark/markov.py",
+    "overlay/vllm/v1/spec_decode/dspark/packed_prefill.py",
 )
 
 
@@ -364,7 +364,7 @@ def test_proposer_builds_the_overlay_draft_when_the_platform_is_cuda(draft_env, 
     import vllm.model_executor.model_loader.utils as loader_utils
     from dspark_support import make_proposer
     from vllm.config import set_current_vllm_config
-    from vllm.models.deepseek_v4.common.dspark_draft import DSparkDeepseekV4Draft
+    from vllm.models.deepseek_v4.common.dspark.model import DSparkDeepseekV4Draft
     from vllm.platforms import current_platform
 
     draft, vc, _ = draft_env

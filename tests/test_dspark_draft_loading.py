@@ -140,7 +140,7 @@ def test_native_mega_moe_is_refused_before_any_weight(checkpoint, monkeypatch):
 
 def test_dense_weight_uses_the_layers_block_size():
     """``out=192`` with 128x128 blocks: 2 block rows, the second partial."""
-    from vllm.models.deepseek_v4.common.dspark_draft_layers import _dense_weight
+    from vllm.models.deepseek_v4.common.dspark.layers import _dense_weight
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(192, 256, generator=gen).to(torch.float8_e4m3fn)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
+import vllm.v1.spec_decode.dspark.proposer  # noqa: F401  (fails if the overlay is not applied)
 from vllm.platforms.cpu_kernel_choice import choose
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

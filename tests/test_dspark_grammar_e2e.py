@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dspark_grammar_runner as runner
 import pytest
-import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
+import vllm.v1.spec_decode.dspark.proposer  # noqa: F401  (fails if the overlay is not applied)
 from dspark_support import ensure_tiny_model, run_engine_script
 from teacher_forcing import EPSILON_NATS
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from dspark_support import build_draft, ensure_tiny_model, make_proposer
 from support.fake_cuda_graph import FakeCUDAGraph
-from vllm.v1.spec_decode.dspark_graphs import DraftBlockGraphs, draft_graphs_wanted
+from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_graphs_only_on_cuda_with_graphs_on(env, monkeypatch):
 
 
 def test_failed_capture_leaves_the_block_eager(env, monkeypatch):
-    import vllm.v1.spec_decode.dspark_proposer as proposer_module
+    import vllm.v1.spec_decode.dspark.proposer as proposer_module
 
     draft, vc = env
     warnings = []

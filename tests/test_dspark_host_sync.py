@@ -13,17 +13,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import vllm.v1.spec_decode.dspark_ragged as dr
+import vllm.v1.spec_decode.dspark.context_store as dr
+import vllm.v1.spec_decode.dspark.rings as rings
 from support.host_reads import HostReadGuard
-from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
-from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
+from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
+from vllm.v1.spec_decode.dspark.step_plan import capture_sizes, draft_anchor_positions, plan_step
 
 DEVICE = "meta"
 WINDOW, DIM, NUM_SLOTS, K = 16, 8, 6, 4
 
 
-def rings():
-    return dr.allocate_rings(NUM_SLOTS, WINDOW, DIM, torch.bfloat16, DEVICE)
+def meta_rings():
+    return rings.allocate_rings(NUM_SLOTS, WINDOW, DIM, torch.bfloat16, DEVICE)
 
 
 def device_step(cache, cache_pos, table, req_ids, lengths, drafts, prefilling=None):
@@ -70,8 +71,8 @@ def device_step(cache, cache_pos, table, req_ids, lengths, drafts, prefilling=No
 
 
 def test_host_sync_free_flat_ragged_packed_and_release_steps():
-    cache, cache_pos = rings()
-    table = dr.SlotTable(NUM_SLOTS)
+    cache, cache_pos = meta_rings()
+    table = rings.SlotTable(NUM_SLOTS)
     # Flat decode step: every request verifies K drafts.
     plan = device_step(cache, cache_pos, table, ["a", "b", "c"], [K + 1] * 3, [K] * 3)
     assert plan.store.uniform and plan.packed is None and plan.draft_rows == 4
@@ -85,7 +86,7 @@ def test_host_sync_free_flat_ragged_packed_and_release_steps():
     assert plan.packed is not None
     # Release and reuse: the freed row is cleared, then taken by a new request.
     freed = table.release(["b"])
-    dr.clear_slots(cache_pos, freed)
+    rings.clear_slots(cache_pos, freed)
     plan = device_step(cache, cache_pos, table, ["f", "a"], [3, K + 1], [0, K])
     assert table.slot_of("f") == freed[0]
 
@@ -100,14 +101,14 @@ def test_host_sync_guard_catches_one_item(monkeypatch):
         return original(plan, positions, acc_end, last_pos)
 
     monkeypatch.setattr(dr, "_flat_candidates", with_a_sync)
-    cache, cache_pos = rings()
+    cache, cache_pos = meta_rings()
     with pytest.raises(RuntimeError, match="meta"):
-        device_step(cache, cache_pos, dr.SlotTable(NUM_SLOTS), ["a", "b"], [K + 1] * 2, [K] * 2)
+        device_step(cache, cache_pos, rings.SlotTable(NUM_SLOTS), ["a", "b"], [K + 1] * 2, [K] * 2)
 
 
 def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
     """What the runner runs per engine step: release finished requests, publish, propose."""
-    import vllm.v1.spec_decode.dspark_metrics as dm
+    import vllm.v1.spec_decode.dspark.metrics as dm
 
     shape = proposer.model.shape
     width = shape.hidden_size * len(shape.target_layer_ids)
@@ -132,7 +133,7 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
 
 def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(tmp_path, monkeypatch):
     """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all."""
-    import vllm.v1.spec_decode.dspark_metrics as dm
+    import vllm.v1.spec_decode.dspark.metrics as dm
     from dspark_support import build_draft, ensure_tiny_model, make_proposer
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))

@@ -11,7 +11,7 @@ import torch
 from support.overlay import load_overlay_module
 
 markov_block_sample = load_overlay_module(
-    "vllm/models/deepseek_v4/common/dspark_markov.py"
+    "vllm/models/deepseek_v4/common/dspark/markov.py"
 ).markov_block_sample
 
 

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
-from vllm.v1.spec_decode.dspark_counters import DSparkCounters
-from vllm.v1.spec_decode.dspark_metrics import CONTEXT_ROWS, STEPS, DSparkMetrics
+from vllm.v1.spec_decode.dspark.counters import DSparkCounters
+from vllm.v1.spec_decode.dspark.metrics import CONTEXT_ROWS, STEPS, DSparkMetrics
 
 PUBLISHED = [*STEPS.values(), *CONTEXT_ROWS.values(), "discarded_drafts"]
 
@@ -90,7 +90,7 @@ CHILD = textwrap.dedent(
     """
     import sys
     from types import SimpleNamespace
-    import vllm.v1.spec_decode.dspark_metrics as dm
+    import vllm.v1.spec_decode.dspark.metrics as dm
 
     dm._tp_rank = lambda: int(sys.argv[1])
     config = SimpleNamespace(

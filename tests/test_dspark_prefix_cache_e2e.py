@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
+import vllm.v1.spec_decode.dspark.proposer  # noqa: F401  (fails if the overlay is not applied)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -1,4 +1,4 @@
-"""Tests for the ragged DSpark context path (overlay/vllm/v1/spec_decode/dspark_ragged.py).
+"""Tests for the ragged DSpark context path (overlay/vllm/v1/spec_decode/dspark/context_store.py).
 
 Every store result is compared bitwise against `reference_store`, a plain per-request,
 per-row Python loop written here from the issue's contract (not from the module).
@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.overlay import load_overlay_module
 
-dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
+rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
 
 BIT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
@@ -477,7 +478,7 @@ def _decode_step(table, cache, cache_pos, req_ids, next_pos, kv_value):
 
 def test_slot_table_reorder_and_condense_keep_context_with_request():
     window = 4
-    table = dr.SlotTable(4)
+    table = rings.SlotTable(4)
     cache = torch.zeros(4, window, 1)
     cache_pos = torch.full((4, window), -1)
     value = {"a": lambda p: 1000 + p, "b": lambda p: 2000 + p, "c": lambda p: 3000 + p}
@@ -490,7 +491,7 @@ def test_slot_table_reorder_and_condense_keep_context_with_request():
     # "b" finishes; the batch condenses and "c" moves to batch row 1.
     freed = table.release(["b"])
     assert freed == [1]
-    dr.clear_slots(cache_pos, freed)
+    rings.clear_slots(cache_pos, freed)
     assert _decode_step(table, cache, cache_pos, ["a", "c"], next_pos, value) == [0, 2]
     # Each ring row holds only its own request's values, at its own positions.
     for req, slot in (("a", 0), ("c", 2)):
@@ -506,7 +507,7 @@ def test_slot_table_reorder_and_condense_keep_context_with_request():
 
 def test_reused_slot_does_not_expose_old_context():
     window = 8
-    table = dr.SlotTable(2)
+    table = rings.SlotTable(2)
     cache = torch.zeros(2, window, 1)
     cache_pos = torch.full((2, window), -1)
     # Request "old" fills row 0 with positions 92..99.
@@ -515,7 +516,7 @@ def test_reused_slot_does_not_expose_old_context():
     store(cache, cache_pos, torch.ones(8, 1), positions, qsl_of([8]), slot)
     freed = table.release(["old"])
     assert freed == [0]
-    dr.clear_slots(cache_pos, freed)
+    rings.clear_slots(cache_pos, freed)
     assert (cache_pos[0] == -1).all()
 
     # Request "new" reuses row 0 after a prefix-cache hit: it only stores 96..97,
@@ -530,9 +531,9 @@ def test_reused_slot_does_not_expose_old_context():
 
 
 def test_slot_table_full_and_bad_input():
-    table = dr.SlotTable(2)
+    table = rings.SlotTable(2)
     table.assign(["a", "b"])
-    with pytest.raises(dr.SlotTableFullError, match="full"):
+    with pytest.raises(rings.SlotTableFullError, match="full"):
         table.assign(["a", "c"])
     assert "c" not in table and table.num_free == 0  # all-or-nothing
     with pytest.raises(ValueError, match="distinct"):
@@ -540,12 +541,12 @@ def test_slot_table_full_and_bad_input():
     assert table.release(["never-seen"]) == []
     for bad in (0, True, 2.0, "3"):  # a bool or float row count is refused, not truncated
         with pytest.raises(ValueError, match=rf"^num_slots must be an int >= 1, got {bad!r}$"):
-            dr.SlotTable(bad)
+            rings.SlotTable(bad)
 
 
 def test_clear_slots():
     cache_pos = torch.arange(12).view(3, 4)
-    dr.clear_slots(cache_pos, [0, 2])
+    rings.clear_slots(cache_pos, [0, 2])
     assert cache_pos.tolist() == [[-1] * 4, [4, 5, 6, 7], [-1] * 4]
 
 
@@ -673,9 +674,9 @@ def test_step_without_rows_writes_nothing(qsl, slots):
 
 
 def test_single_row_slot_table_serves_one_request_at_a_time():
-    table = dr.SlotTable(1)
+    table = rings.SlotTable(1)
     assert table.assign(["a"]) == [0]
-    with pytest.raises(dr.SlotTableFullError):
+    with pytest.raises(rings.SlotTableFullError):
         table.assign(["a", "b"])
     assert table.release(["a"]) == [0] and table.assign(["b"]) == [0]
 
@@ -721,7 +722,7 @@ def test_query_start_loc_not_starting_at_zero_names_its_first_entry():
 
 def test_allocated_rings_have_a_scratch_row_and_start_empty():
     """S live ring rows plus one scratch row that discarded rows are sent to; every cell empty."""
-    cache, cache_pos = dr.allocate_rings(3, 8, 5, torch.bfloat16, "cpu")
+    cache, cache_pos = rings.allocate_rings(3, 8, 5, torch.bfloat16, "cpu")
     assert cache.shape == (4, 8, 5) and cache.dtype == torch.bfloat16 and not cache.any()
     assert cache_pos.shape == (4, 8) and cache_pos.dtype == torch.int64
     assert (cache_pos == -1).all()

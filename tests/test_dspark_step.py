@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
+from vllm.v1.spec_decode.dspark.step_plan import capture_sizes, draft_anchor_positions, plan_step
 
 K, WINDOW, SLOTS = 4, 8, 6
 

@@ -16,19 +16,19 @@ import pytest
 import torch
 from dspark_support import build_draft, ensure_tiny_model, make_proposer
 from vllm.forward_context import set_forward_context
-from vllm.models.deepseek_v4.common.dspark_draft import (
+from vllm.models.deepseek_v4.common.dspark.markov import markov_block_sample
+from vllm.models.deepseek_v4.common.dspark.model import (
     DraftContext,
     draft_block_positions,
     draft_noise_token_id,
     pad_to_tp_shards,
 )
-from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
-from vllm.models.deepseek_v4.common.dspark_seeded_noise import (
+from vllm.models.deepseek_v4.common.dspark.noise import (
     RequestSeeds,
     keyed_race_noise,
     keyed_uniform,
 )
-from vllm.v1.spec_decode.dspark_ragged import window_mask
+from vllm.v1.spec_decode.dspark.context_store import window_mask
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_pad_to_tp_shards_matches_upstreams_block_rounding():
 def test_loader_pads_shared_experts_to_the_parameters_tp_shards(env, monkeypatch):
     """The loader reads each shared-expert parameter's local size and its layer's TP size."""
     from vllm.config import set_current_vllm_config
-    from vllm.models.deepseek_v4.common.dspark_draft import DSparkDeepseekV4Draft
+    from vllm.models.deepseek_v4.common.dspark.model import DSparkDeepseekV4Draft
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     _, vc = env

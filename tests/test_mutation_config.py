@@ -10,10 +10,11 @@ import mutation
 import pytest
 
 CORE_MODULES = {
-    "dspark_ragged": "overlay/vllm/v1/spec_decode/dspark_ragged.py",
-    "dspark_step": "overlay/vllm/v1/spec_decode/dspark_step.py",
-    "packed_prefill": "overlay/vllm/models/deepseek_v4/common/packed_prefill.py",
-    "dspark_markov": "overlay/vllm/models/deepseek_v4/common/dspark_markov.py",
+    "context_store": "overlay/vllm/v1/spec_decode/dspark/context_store.py",
+    "rings": "overlay/vllm/v1/spec_decode/dspark/rings.py",
+    "step_plan": "overlay/vllm/v1/spec_decode/dspark/step_plan.py",
+    "packed_prefill": "overlay/vllm/v1/spec_decode/dspark/packed_prefill.py",
+    "markov": "overlay/vllm/models/deepseek_v4/common/dspark/markov.py",
     "apply_overlay": "scripts/apply_overlay.py",
     "recipe": "scripts/recipe.py",
 }

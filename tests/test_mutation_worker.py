@@ -86,10 +86,10 @@ def test_child_past_its_timeout_is_killed_with_its_subprocesses(tmp_path):
 
 def test_warm_imports_never_name_the_module_or_local_files():
     config = mutation.load_config()
-    step = mutation_worker.warm_names(config.modules["dspark_step"])
-    assert "vllm.v1.spec_decode" in step and "torch" in step
-    assert "vllm.v1.spec_decode.dspark_step" not in step
-    ragged = mutation_worker.warm_names(config.modules["dspark_ragged"])
+    step = mutation_worker.warm_names(config.modules["step_plan"])
+    assert "vllm.v1.spec_decode.dspark" in step and "torch" in step
+    assert "vllm.v1.spec_decode.dspark.step_plan" not in step
+    ragged = mutation_worker.warm_names(config.modules["context_store"])
     assert "hypothesis" in ragged and not any(n.startswith("support") for n in ragged)
     recipe = mutation_worker.warm_names(config.modules["recipe"])
     assert "yaml" in recipe and "recipe" not in recipe and "conftest" not in recipe

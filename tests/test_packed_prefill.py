@@ -21,8 +21,8 @@ from gpu_check import reference_store
 from support.net import free_port
 from support.overlay import load_overlay_module
 
-pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
-dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
+pp = load_overlay_module("vllm/v1/spec_decode/dspark/packed_prefill.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
 
 # The TP=2 fixture joins its processes with a timeout too; this is the outer guard.
 pytestmark = pytest.mark.timeout(300)

@@ -58,7 +58,7 @@ def observe_steps(
 
 def _record(drafter, kw, drafts, input_ids) -> DSparkStepRecord:
     from vllm.forward_context import set_forward_context
-    from vllm.v1.spec_decode.dspark_ragged import window_mask
+    from vllm.v1.spec_decode.dspark.context_store import window_mask
 
     qsl = torch.as_tensor(kw["query_start_loc_cpu"]).long()
     num_rows = int(qsl[-1])

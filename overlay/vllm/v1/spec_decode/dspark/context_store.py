@@ -1,19 +1,19 @@
-"""Ragged DSpark context path: per-request sliding-window KV without padding.
+"""DSpark context store: one engine step's rows into the per-request KV rings, no padding.
 
 Under continuous batching one engine step packs rows from many requests: prefill chunks
 of any length and verify rows (anchor + drafts) of which a suffix was rejected. Each
 DSpark draft layer keeps, per request, a ring of the last ``W`` context positions
-(``cache[slot, pos % W]``). This module turns one packed step into a single scatter
+(``cache[slot, pos % W]``, see :mod:`.rings`). This module turns one packed step into a single scatter
 into those rings, without a Python loop over requests and without padding the step.
 
 Plan once, run sync-free (as FlashInfer splits ``plan()`` from ``run()``):
 
 - :func:`plan_store` reads only host metadata (``query_start_loc`` on the CPU, the ring
-  rows from :class:`SlotTable`, the most rows each request may reject) and holds every
+  rows from ``rings.SlotTable``, the most rows each request may reject) and holds every
   check. It fixes which packed rows the store looks at (each request's last
   ``W + max_rejected`` rows), ships its index tensors to the device in one copy and
   returns a frozen :class:`StorePlan`.
-- :func:`store_context_kv`, :func:`window_mask` and :func:`clear_slots` trust the plan:
+- :func:`store_context_kv` and :func:`window_mask` trust the plan:
   no validation, no host read of device data, shapes fixed by the plan. The actual
   rejection counts stay on the device; candidate rows they drop are written to the
   scratch ring row ``S`` (rings have ``S + 1`` rows), which nothing ever reads.
@@ -23,8 +23,6 @@ Pure torch + numpy + stdlib on purpose: unit-tested without vLLM, same ops on CP
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,13 +30,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "EMPTY_POS",
     "AcceptedRows",
-    "SlotTable",
-    "SlotTableFullError",
     "StorePlan",
-    "allocate_rings",
-    "clear_slots",
     "host_layout",
     "last_accepted",
     "plan_store",
@@ -47,18 +40,6 @@ __all__ = [
     "store_plan_arrays",
     "window_mask",
 ]
-
-EMPTY_POS = -1
-"""``cache_pos`` value of a cell that holds no context."""
-
-
-def allocate_rings(
-    num_slots: int, window: int, dim: int, dtype: torch.dtype, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cache [S+1, W, D]`` (zeros) and ``cache_pos [S+1, W]`` (empty); row S is scratch."""
-    cache = torch.zeros((num_slots + 1, window, dim), dtype=dtype, device=device)
-    cache_pos = torch.full((num_slots + 1, window), EMPTY_POS, dtype=torch.int64, device=device)
-    return cache, cache_pos
 
 
 def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -331,86 +312,3 @@ def window_mask(
     held = cache_pos.index_select(0, slots)  # [R, W]
     anchor = anchor_positions[:, None]
     return (held >= (anchor - W).clamp(min=0)) & (held < anchor)
-
-
-def clear_slots(cache_pos: torch.Tensor, slots: Iterable[int]) -> None:
-    """Mark ring rows empty (``cache_pos = -1``) so a reused row exposes no old context.
-
-    ``slots`` are host ints (from :meth:`SlotTable.release`): one fill per freed row,
-    no index tensor to copy to the device.
-    """
-    for slot in slots:
-        cache_pos[slot].fill_(EMPTY_POS)
-
-
-# ---------------------------------------------------------------------------
-# Request id -> ring row (host)
-# ---------------------------------------------------------------------------
-
-
-class SlotTableFullError(RuntimeError):
-    """More live requests than ring rows; raise max_num_seqs or the table size."""
-
-
-class SlotTable:
-    """Stable ring row per request id.
-
-    vLLM reorders and condenses its persistent batch when requests finish, so the batch
-    row of a request changes between steps. Keying the KV ring by request id keeps each
-    request's context with it. New ids get the lowest free row (a lone request stays on
-    row 0). Host-side bookkeeping only: a dict lookup per request id.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        self.num_slots = num_slots
-        self._slot_of: dict[Hashable, int] = {}
-        self._free: list[int] = list(range(num_slots))  # heap: lowest free row first
-
-    def __len__(self) -> int:
-        return len(self._slot_of)
-
-    def __contains__(self, req_id: Hashable) -> bool:
-        return req_id in self._slot_of
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def slot_of(self, req_id: Hashable) -> int | None:
-        """Ring row held by ``req_id``, or None."""
-        return self._slot_of.get(req_id)
-
-    def assign(self, req_ids: Sequence[Hashable]) -> list[int]:
-        """Ring row per batch row; known ids keep theirs, new ids get one.
-
-        All-or-nothing: if the new ids do not fit, nothing is assigned.
-        """
-        req_ids = list(req_ids)
-        if len(set(req_ids)) != len(req_ids):
-            raise ValueError("req_ids must be distinct (one batch row per request)")
-        new_ids = [r for r in req_ids if r not in self._slot_of]
-        if len(new_ids) > len(self._free):
-            raise SlotTableFullError(
-                f"SlotTable is full: {len(new_ids)} new requests, {len(self._free)} free of "
-                f"{self.num_slots} rows; release finished requests or size the table to "
-                "max_num_seqs"
-            )
-        for req_id in new_ids:
-            self._slot_of[req_id] = heapq.heappop(self._free)
-        return [self._slot_of[r] for r in req_ids]
-
-    def release(self, req_ids: Iterable[Hashable]) -> list[int]:
-        """Free the rows of finished requests; returns the freed rows (ids without one skip).
-
-        The caller clears those rows in every ``cache_pos`` (:func:`clear_slots`) so a
-        later owner cannot attend this request's context.
-        """
-        freed = []
-        for req_id in req_ids:
-            slot = self._slot_of.pop(req_id, None)
-            if slot is not None:
-                heapq.heappush(self._free, slot)
-                freed.append(slot)
-        return freed

@@ -4,7 +4,7 @@ One prefill chunk of up to ``MAX_PACKED_TOKENS`` rows from many requests is desc
 ``query_start_loc`` alone. Its rows are split contiguously over the TP ranks, so a rank
 projects only ``L = P / tp_size`` rows into draft context KV instead of all ``N``; the
 ranks then all-gather the ``P`` projected rows so that every rank stores the full chunk
-into its replica of the draft's per-request ring cache (``dspark_ragged.store_context_kv``).
+into its replica of the draft's per-request ring cache (``context_store.store_context_kv``).
 
 Layout (DESIGN section 6): ``P = align_up(N, tp_size)``; rank ``k`` owns packed rows
 ``[k*L, (k+1)*L)``; a request may straddle ranks; rows ``N..P-1`` are pad rows with zero
@@ -13,7 +13,7 @@ produce exactly zero output and are never written.
 
 Plan once, run trusting the plan: :func:`plan_packed_prefill` checks the host metadata
 (``query_start_loc`` on the CPU, TP size, rank, group) and raises ``ValueError`` naming
-the field; the ring rows and rejection bounds are checked by ``dspark_ragged.plan_store``.
+the field; the ring rows and rejection bounds are checked by ``context_store.plan_store``.
 The device helpers below do no validation and no host read. Pure torch +
 torch.distributed: importable and testable without the rest of vLLM.
 """
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ....v1.spec_decode.dspark_ragged import (
+from .context_store import (
     AcceptedRows,
     StorePlan,
     host_layout,
@@ -288,7 +288,7 @@ def ingest_packed_prefill(
 
     Args:
         plan: from ``plan_packed_prefill``; the same geometry on every rank.
-        store: from ``dspark_ragged.plan_store`` for the same ``query_start_loc``: the
+        store: from ``context_store.plan_store`` for the same ``query_start_loc``: the
             ring rows of the requests and the rows each may reject.
         features: ``[N, ...]`` packed target features of the whole chunk (replicated on
             every rank, as the target's hidden states are after its all-reduce).
@@ -298,11 +298,11 @@ def ingest_packed_prefill(
             ``RoPE(kv_norm(W_kv main_norm(main_proj(x))))``). It always gets exactly L rows
             (fixed shape), pads zeroed and at synthetic positions.
         kv_caches: K ``(cache [S+1, W, D], cache_pos [S+1, W] int64)`` pairs, one per
-            draft layer, in the layout of ``dspark_ragged.store_context_kv``.
+            draft layer, in the layout of ``context_store.store_context_kv``.
         max_model_len: bound for the synthetic pad positions.
         num_rejected: ``[R]`` device rows to drop at each request's end (verify rows in a
             mixed step), at most the store plan's bounds; ``None`` for a pure prefill.
-        accepted: ``dspark_ragged.last_accepted`` of the same step, if the caller has it.
+        accepted: ``context_store.last_accepted`` of the same step, if the caller has it.
 
     Returns:
         The gathered ``[P, K, D]`` context KV (pad rows exactly zero), identical on every

@@ -6,7 +6,7 @@ The draft weights ship inside the target checkpoint under ``mtp.{j}.*``. Per ste
    target row, ``aux`` = the target's hidden states at ``dspark_target_layer_ids``.
 2. ``context_kv``: every draft layer projects the same ``main_x`` into its latent KV,
    ``RoPE_last64(kv_norm(wkv(main_x)))`` at the row's absolute position -> ``[T, K, 512]``.
-   The proposer stores the accepted rows in per-request rings (``dspark_ragged``).
+   The proposer stores the accepted rows in per-request rings (``vllm.v1.spec_decode.dspark.rings``).
 3. ``forward``: one backbone pass over the block ``[anchor, noise x (N-1)]`` at positions
    ``p .. p+N-1`` of every request. Each layer is a DeepSeek-V4 layer: hyper-connection
    mixing (mHC) around attention and MoE. Attention queries see the request's valid
@@ -15,14 +15,14 @@ The draft weights ship inside the target checkpoint under ``mtp.{j}.*``. Per ste
    output is de-rotated and projected by the grouped ``wo_a`` then ``wo_b``.
    ``hc_head`` reduces the hc streams -> pre-norm head hidden ``[R, N, H]``.
 4. ``compute_logits`` = shared target LM head over ``norm(h)``; the Markov head and the
-   confidence head run on top (``dspark_markov``).
+   confidence head run on top (``markov``).
 
 Built from vLLM's layers (``ReplicatedLinear``, ``RMSNorm``, mHC custom ops, the
 platform's DeepSeek-V4 MoE, ``DSparkMarkovHead`` / ``DSparkConfidenceHead``) so the same
 code loads bf16 weights on CPU and FP8 checkpoints where vLLM's quant config applies.
 The attention itself is plain torch over a private per-request ring, not vLLM's paged
 KV cache: the CPU sparse-MLA kernel reads only the paged fp8_ds_mla layout, and the
-draft's KV is keyed by request id (see ``vllm/v1/spec_decode/dspark_proposer.py``).
+draft's KV is keyed by request id (see ``vllm/v1/spec_decode/dspark/proposer.py``).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from vllm.model_executor.models.qwen3_dspark import (
     DSparkMarkovHead,
 )
 from vllm.model_executor.models.utils import maybe_prefix
-from vllm.models.deepseek_v4.common.dspark_draft_config import (
+from vllm.models.deepseek_v4.common.dspark.config import (
     DSparkDraftShape,
     draft_block_positions,
     draft_hf_config,
     draft_noise_token_id,
 )
-from vllm.models.deepseek_v4.common.dspark_draft_layers import (
+from vllm.models.deepseek_v4.common.dspark.layers import (
     DraftRMSNorm,
     DraftRope,
     DSparkDraftLayer,
@@ -102,7 +102,7 @@ class DraftContext:
     """What the block attention reads besides the block itself.
 
     ``caches[j]`` is layer j's ring ``[S, W, D]``; request r reads ring row
-    ``slots[r]``; ``mask [R, W]`` (from ``dspark_ragged.window_mask``) says which cells
+    ``slots[r]``; ``mask [R, W]`` (from ``vllm.v1.spec_decode.dspark.context_store.window_mask``) says which cells
     hold context the block may attend.
     """
 

@@ -1,7 +1,7 @@
 """What the DSpark draft reads from the checkpoint config, validated once, and upstream's
 block semantics that depend only on it (noise token, block positions).
 
-Kept apart from the draft's layers (``dspark_draft.py``) so the proposer and tests can read
+Kept apart from the draft's layers (``model.py``) so the proposer and tests can read
 a checkpoint's shape without building any module.
 """
 

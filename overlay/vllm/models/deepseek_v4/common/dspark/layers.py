@@ -1,12 +1,12 @@
 """The DSpark draft's building blocks: RoPE tables, FP8 round trip, norms, attention, layer.
 
 One DeepSeek-V4 draft layer is hyper-connection mixing (mHC) around a latent attention and
-the platform's MoE. The attention reads a request's ring context (``dspark_ragged``) plus
+the platform's MoE. The attention reads a request's ring context (``vllm.v1.spec_decode.dspark.rings``) plus
 the whole block, non-causally, with a per-head sink; q gets a weightless RMSNorm and RoPE
 on its last 64 dims, the output is de-rotated and projected by the grouped ``wo_a`` then
 ``wo_b``. Every piece here runs once per layer per step, so each is written for few tensor
 ops (the step is graph-capturable on a GPU and eager on CPU); the model around them, its
-weight loading and its heads are in ``dspark_draft.py``.
+weight loading and its heads are in ``model.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
-from vllm.models.deepseek_v4.common.dspark_draft_config import DSparkDraftShape
+from vllm.models.deepseek_v4.common.dspark.config import DSparkDraftShape
 from vllm.models.deepseek_v4.common.fp8_ds_mla import QUANT_BLOCK, roundtrip_blocks
 from vllm.platforms import current_platform
 

@@ -87,7 +87,7 @@ def markov_block_sample(
         race_noise: ``[R, N, V]`` float32 ``Exp(1)`` draws to use instead of drawing
             from ``generator`` here: keeps the block free of RNG state, so a traced or
             graph-captured block gets its noise as an input every step (the proposer keys
-            it per request seed and position, ``dspark_seeded_noise``).
+            it per request seed and position, ``noise``).
         return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
     """
     _check(base_logits, anchor, temperature)

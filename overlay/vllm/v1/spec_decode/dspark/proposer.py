@@ -4,14 +4,14 @@ One call per engine step, after the target has verified the previous drafts:
 
 1. Release the ring rows of finished / preempted requests; map this step's request ids to
    stable ring rows (``SlotTable``: KV follows the request id, never the batch row).
-2. Plan the step on the host (``dspark_step.plan_step``): layout, checks, counters, one
+2. Plan the step on the host (``step_plan.plan_step``): layout, checks, counters, one
    copy of the plan's index tensors to the device. Nothing below reads device data back.
 3. Ingest the step's context rows: ``main_x`` from the target's aux hidden states, then
    every draft layer's latent KV, stored into the request's ring. Only accepted rows are
    written (rejected verify rows never); uniform steps take the flat path, mixed steps
    (prefill chunks + verify rows of different lengths) the ragged path; no step is ever
    skipped. Large chunks go through the packed multi-request prefill (rows split across
-   TP ranks, all-gathered). See ``dspark_ragged`` and ``packed_prefill``.
+   TP ranks, all-gathered). See ``context_store``, ``rings`` and ``packed_prefill``.
 4. Draft one block per request (batch padded to a capture size, static shapes): anchor =
    the bonus token (or, for a request still in chunked prefill, the next prompt token;
    its drafts are discarded by the scheduler), block ``[anchor, noise x (N-1)]`` at
@@ -19,7 +19,7 @@ One call per engine step, after the target has verified the previous drafts:
    Markov head left to right. Greedy or probabilistic; for probabilistic drafting the
    draft distributions are kept for the rejection sampler (``take_last_draft_probs``).
 
-The runner glue (``dspark_runner.propose_from_runner``) turns the V1 runner's step state
+The runner glue (``runner_glue.propose_from_runner``) turns the V1 runner's step state
 into the narrow ``propose`` arguments; the overlay's runner patch calls it.
 
 Why a runner patch and not ``method="custom_class"``: the V1 runner builds a custom proposer
@@ -39,27 +39,21 @@ import torch
 import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.models.deepseek_v4.common.dspark_draft import (
+from vllm.models.deepseek_v4.common.dspark.markov import markov_block_sample
+from vllm.models.deepseek_v4.common.dspark.model import (
     DraftContext,
     draft_block_positions,
     draft_hf_config,
     draft_noise_token_id,
     load_dspark_draft,
 )
-from vllm.models.deepseek_v4.common.dspark_markov import markov_block_sample
-from vllm.models.deepseek_v4.common.dspark_seeded_noise import RequestSeeds, keyed_race_noise
-from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
-from vllm.v1.spec_decode.dspark_counters import DSparkCounters, StepCounters
-from vllm.v1.spec_decode.dspark_graphs import DraftBlockGraphs, draft_graphs_wanted
-from vllm.v1.spec_decode.dspark_ragged import (
-    SlotTable,
-    allocate_rings,
-    clear_slots,
-    last_accepted,
-    store_context_kv,
-    window_mask,
-)
-from vllm.v1.spec_decode.dspark_step import (
+from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
+from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
+from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
+from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
+from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
+from vllm.v1.spec_decode.dspark.rings import SlotTable, allocate_rings, clear_slots
+from vllm.v1.spec_decode.dspark.step_plan import (
     StepPlan,
     capture_sizes,
     draft_anchor_positions,
@@ -408,7 +402,7 @@ class DSparkProposer:
 
         Returns ``(tokens [B, N], head hidden [B, N, H], Markov embeds [B, N, r])`` and,
         when drafting is probabilistic, ``draft probs [B, N, V]``: a flat tuple of
-        tensors, nothing kept on ``self``, so a CUDA graph replay (``dspark_graphs``),
+        tensors, nothing kept on ``self``, so a CUDA graph replay (``graphs``),
         which runs none of this Python, hands back the same outputs. Static shapes (B, N,
         W, V fixed), no host read, no RNG state (sampled rows use ``race_noise [B, N,
         V]``, see ``draw_race_noise``). Reads the rings, never writes them; a pad row

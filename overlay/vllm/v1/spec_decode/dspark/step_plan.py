@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...models.deepseek_v4.common.packed_prefill import (
+from .context_store import AcceptedRows, StorePlan, last_accepted, ship, store_plan_arrays
+from .packed_prefill import (
     MAX_PACKED_TOKENS,
     PackedPrefill,
     plan_packed_prefill,
 )
-from .dspark_ragged import AcceptedRows, StorePlan, last_accepted, ship, store_plan_arrays
 
 __all__ = ["StepPlan", "capture_sizes", "draft_anchor_positions", "plan_step"]
 
