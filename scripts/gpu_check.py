@@ -30,6 +30,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from overlay_source import load_overlay_module
@@ -79,7 +80,10 @@ def make_step(lengths, rejected, seed):
     }
 
 
-def plan_for(step, device, allow_flat=True):
+def plan_for(step, device, ragged_forced=False):
+    if ragged_forced:  # the ragged path on a uniform step: compare it with the flat one
+        with mock.patch.object(dr, "is_flat_step", lambda lengths: False):
+            return plan_for(step, device)
     return dr.plan_store(
         torch.tensor(step["qsl"]),
         step["slots"],
@@ -87,13 +91,12 @@ def plan_for(step, device, allow_flat=True):
         window=WINDOW,
         num_slots=SLOTS,
         device=device,
-        allow_flat=allow_flat,
     )
 
 
-def device_store(step, device, allow_flat=True):
+def device_store(step, device, ragged_forced=False):
     cache, cache_pos = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
-    plan = plan_for(step, device, allow_flat)
+    plan = plan_for(step, device, ragged_forced)
     args = (
         step["kv"].to(device),
         torch.tensor(step["positions"], device=device),
@@ -104,8 +107,8 @@ def device_store(step, device, allow_flat=True):
     return cache, cache_pos, plan, args
 
 
-def check_store(step, device, allow_flat=True):
-    cache, cache_pos, plan, _ = device_store(step, device, allow_flat)
+def check_store(step, device, ragged_forced=False):
+    cache, cache_pos, plan, _ = device_store(step, device, ragged_forced)
     ref_c, ref_p = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, "cpu")
     reference_store(
         ref_c, ref_p, step["kv"], step["positions"], step["qsl"], step["slots"], step["rejected"]
@@ -290,7 +293,7 @@ def main(argv=None) -> int:
     checks = {
         "store_flat": check_store(uniform, device),
         "store_ragged": check_store(mixed, device),
-        "store_ragged_forced_on_uniform": check_store(uniform, device, allow_flat=False),
+        "store_ragged_forced_on_uniform": check_store(uniform, device, ragged_forced=True),
         "window_mask_and_anchors": check_mask_and_anchors(mixed, device),
         "packed_ingest_tp1": check_packed(device),
         "markov_greedy": check_markov(device),

@@ -1,6 +1,6 @@
 """Oracle drafts: the target's own greedy continuation of each request's current prefix.
 
-Plugged into the DSpark proposer's ``draft_override`` test hook, these drafts are what a
+Plugged into a DSpark proposer by the test harness (``tests/support/draft_hooks.py``), these drafts are what a
 perfect draft model would propose, so the verify path accepts whole blocks even with the
 tiny checkpoint's random draft weights. They are derived from the run itself: the hook
 rebuilds each request's committed tokens (prompt, then every anchor and the drafts the
@@ -26,7 +26,7 @@ def external_id(req_id: str) -> str:
 
 
 class OracleDrafts:
-    """A ``draft_override`` hook drafting the plain target's greedy continuation."""
+    """A draft hook drafting the plain target's greedy continuation."""
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from oracle_drafts import OracleDrafts, external_id
 from plain_target import PlainTarget
+from support.draft_hooks import replace_drafts, restore_drafts
 
 import recipe
 
@@ -329,11 +330,11 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
         target, {r: all_prompts[r] for r in scripted}, 24 + n_spec + 1, corrupt=corrupt
     )
     checker = WindowChecker(drafter, torch)
-    drafter.draft_override = hook
+    replace_drafts(drafter, hook)
     observe_steps(drafter, checker, lambda rows: runner.input_ids.gpu[:rows])
     add_all(engine, all_prompts, scripted, 24)
     outputs, latest, steps = drive(engine, lambda _: None)
-    drafter.draft_override = None
+    restore_drafts(drafter)
     observe_steps(drafter, None)
     seqs = sequences(latest, scripted)
     result["scripted"] = {

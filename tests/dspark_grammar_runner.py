@@ -24,6 +24,7 @@ from dspark_e2e_runner import drive, engine_kwargs, make_engine
 from oracle_drafts import external_id
 from plain_target import PlainTarget
 from support import grammar_oracle as grammar
+from support.draft_hooks import replace_drafts, restore_drafts
 
 KINDS = {"J0": "json", "R0": "regex", "J1": "json"}
 PROMPT_LENS = {"J0": 40, "R0": 90, "J1": 150}
@@ -46,7 +47,7 @@ def sampling(kind: str):
 
 
 class ReplayedDrafts:
-    """A ``draft_override`` hook proposing each request's known output after the anchor."""
+    """A draft hook (``support.draft_hooks``) proposing each request's known output after the anchor."""
 
     def __init__(self, all_prompts: dict[str, list[int]], outputs: dict[str, list[int]],
                  vocab_size: int):
@@ -114,9 +115,9 @@ def main() -> int:
         drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
         result = {"own": run_once(engine, drafter, all_prompts)}
         replay = ReplayedDrafts(all_prompts, result["own"]["outputs"], vocab)
-        drafter.draft_override = replay
+        replace_drafts(drafter, replay)
         result["replayed"] = run_once(engine, drafter, all_prompts)
-        drafter.draft_override = None
+        restore_drafts(drafter)
         result["replayed"]["changed_drafts"] = replay.changed
         for run in ("own", "replayed"):
             result[run]["oracle"] = score(target, tokenizer, vocab, all_prompts,

@@ -32,6 +32,7 @@ from pathlib import Path
 from dspark_e2e_runner import engine_kwargs, make_engine, params, score
 from oracle_drafts import OracleDrafts, external_id
 from plain_target import PlainTarget
+from support.draft_hooks import replace_drafts, restore_drafts
 
 # Hits align to the largest KV group block span (256 tokens with C4A layers, block 64), and
 # DSpark, like EAGLE, drops the last matched block (vLLM recomputes it for the draft): a
@@ -182,7 +183,7 @@ def run(model: str, target: PlainTarget) -> dict:
         target, {r: all_prompts[r] for r in ids}, HOLES_MAX_TOKENS + n_spec + 1
     )
     drafter.reset_counters()
-    drafter.draft_override = WindowSensitiveOracle(drafter, oracle)
+    replace_drafts(drafter, WindowSensitiveOracle(drafter, oracle))
     sight = FirstSight(drafter)
     observe_steps(drafter, sight)
     per_request = {}
@@ -197,7 +198,7 @@ def run(model: str, target: PlainTarget) -> dict:
         per_request[rid] = {
             k: after[k] - before[k] for k in ("verified_tokens", "accepted_tokens")
         }
-    drafter.draft_override = None
+    restore_drafts(drafter)
     observe_steps(drafter, None)
     result["holes"] = {
         "outputs": outputs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm.v1.spec_decode.dspark.graphs as graphs_module
 from dspark_support import build_draft, ensure_tiny_model, make_proposer
 from support.fake_cuda_graph import FakeCUDAGraph
 from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
@@ -50,12 +51,13 @@ def _steps(width, vocab, gen):
 
 
 @pytest.mark.parametrize("probabilistic", [False, True])
-def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic):
+def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic, monkeypatch):
     draft, vc = env
     eager = make_proposer(draft, vc, probabilistic=probabilistic)
     graphed = make_proposer(draft, vc, probabilistic=probabilistic)
     assert eager.graphs is None  # CPU: never graphed unless asked
-    graphed.use_draft_graphs(make_wrapper=FakeCUDAGraph)
+    monkeypatch.setattr(graphs_module, "cuda_graph_wrapper", FakeCUDAGraph)
+    graphed.use_draft_graphs()
     graphed.dummy_run(1, is_graph_capturing=True)
     fake = graphed.graphs.graph
     assert graphed.graphs.captured == set(graphed.draft_sizes) == {1, 2, 4, 8}
@@ -78,11 +80,12 @@ def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic):
     assert fake.replays == 4
 
 
-def test_replay_needs_the_captured_buffers(env):
+def test_replay_needs_the_captured_buffers(env, monkeypatch):
     """The stand-in refuses inputs that are not the captured buffers: the check can fail."""
     draft, vc = env
     p = make_proposer(draft, vc)
-    p.use_draft_graphs(make_wrapper=FakeCUDAGraph)
+    monkeypatch.setattr(graphs_module, "cuda_graph_wrapper", FakeCUDAGraph)
+    p.use_draft_graphs()
     p.dummy_run(1, is_graph_capturing=True)
     graphs = p.graphs
 
@@ -130,7 +133,8 @@ def test_failed_capture_leaves_the_block_eager(env, monkeypatch):
             return super().__call__(*args)
 
     p = make_proposer(draft, vc)
-    p.use_draft_graphs(make_wrapper=FailingGraph)
+    monkeypatch.setattr(graphs_module, "cuda_graph_wrapper", FailingGraph)
+    p.use_draft_graphs()
     p.dummy_run(1, is_graph_capturing=True)
     assert p.graphs is None
     assert len(warnings) == 1 and "capture failed (RuntimeError" in warnings[0]

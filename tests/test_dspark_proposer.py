@@ -15,6 +15,7 @@ import pytest
 import torch
 import vllm.v1.spec_decode.dspark.step_plan as step_mod
 from dspark_support import build_draft, ensure_tiny_model, make_proposer
+from support.draft_hooks import replace_drafts, restore_drafts
 from support.dspark_steps import observe_steps
 
 
@@ -250,7 +251,9 @@ def test_probabilistic_drafts_keep_distributions(env):
     assert p.last_confidence.shape == (3, p.block_size)
 
 
-def test_draft_override_hook_replaces_drafts(env):
+def test_harness_draft_hook_replaces_drafts_and_restores_the_model(env):
+    """The e2e tests' oracle drafts go through ``support.draft_hooks``: it must see the
+    step's anchors, replace exactly the drafts handed back, and leave the model after."""
     draft, vc = env
     p = make_proposer(draft, vc)
     sim = Sim(p, seed=6)
@@ -258,10 +261,14 @@ def test_draft_override_hook_replaces_drafts(env):
 
     def override(*, req_ids, anchor_positions, anchor_tokens, drafts):
         seen["anchor"] = anchor_positions.tolist()
+        seen["req_ids"] = list(req_ids)
         return torch.full_like(drafts, 11)
 
-    p.draft_override = override
+    replace_drafts(p, override)
     drafts, _ = sim.step([("a", 3, 0), ("b", 8, 0)])
-    assert seen["anchor"] == [3, 8]
+    assert seen == {"anchor": [3, 8], "req_ids": ["a", "b"]}
     assert drafts.eq(11).all()
     assert p.counters.drafted_tokens == 2 * p.num_speculative_tokens
+    restore_drafts(p)
+    drafts, _ = sim.step([("a", 1, 0), ("b", 1, 0)])
+    assert not drafts.eq(11).all()

@@ -81,7 +81,7 @@ def contiguous_positions(starts, lengths):
     )
 
 
-def store(cache, cache_pos, kv, positions, qsl, slots, rej=None, bound=None, allow_flat=True):
+def store(cache, cache_pos, kv, positions, qsl, slots, rej=None, bound=None):
     """Plan and run the store on ``cache`` (all rows live); the scratch row is added here.
 
     ``bound`` (default: ``rej``) is the plan's per-request rejection bound; the device
@@ -94,7 +94,6 @@ def store(cache, cache_pos, kv, positions, qsl, slots, rej=None, bound=None, all
         rej if bound is None else bound,
         window=window,
         num_slots=num_slots,
-        allow_flat=allow_flat,
     )
     ext_c, ext_p = torch.cat([cache, cache[:1]]), torch.cat([cache_pos, cache_pos[:1]])
     rej = None if rej is None else torch.as_tensor(rej)
@@ -207,7 +206,9 @@ def test_flat_path_equals_ragged_path_on_uniform_batches(
     flat_c, flat_p = run_both(cache, cache_pos, kv, positions, qsl, slots, rej)
     # Same call with the ragged path forced on the uniform batch.
     ragged_c, ragged_p = cache.clone(), cache_pos.clone()
-    plan = store(ragged_c, ragged_p, kv, positions, qsl, slots, rej, allow_flat=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dr, "is_flat_step", lambda lengths: False)
+        plan = store(ragged_c, ragged_p, kv, positions, qsl, slots, rej)
     assert not plan.uniform and plan.num_candidates > 0
     assert_bitwise_equal(flat_c, ragged_c)
     assert torch.equal(flat_p, ragged_p)
@@ -704,7 +705,7 @@ def test_rows_move_as_16_byte_words_when_their_size_allows(dim, dtype, word):
 
 
 def test_step_plan_default_takes_the_flat_path_on_uniform_batches():
-    """store_plan_arrays without allow_flat (as the step plan calls it) keeps the fast path;
+    """store_plan_arrays (as the step plan calls it) keeps the fast path on uniform steps;
     a ragged plan has no flat segment length (the plan fields before shipping)."""
     qsl = torch.tensor([0, 4, 8, 12])
     arrays, uniform = dr.store_plan_arrays(qsl, [0, 1, 2], None, 8, 4)

@@ -33,6 +33,7 @@ __all__ = [
     "AcceptedRows",
     "StorePlan",
     "host_layout",
+    "is_flat_step",
     "last_accepted",
     "plan_store",
     "ship",
@@ -129,23 +130,24 @@ def plan_store(
     window: int,
     num_slots: int,
     device: torch.device | str = "cpu",
-    allow_flat: bool = True,
 ) -> StorePlan:
     """Validate one step's host metadata and plan its ring store (one copy to ``device``).
 
     ``query_start_loc_cpu [R+1]`` (host), ``slots [R]`` distinct ring rows in ``[0, S)``,
     ``max_rejected [R]`` the most rows request ``r`` may reject (its verified drafts;
     ``None`` = nothing rejected), ``0 <= max_rejected[r] <= len[r]``. Raises ValueError
-    naming the field before anything is shipped or written. ``allow_flat=False`` sends
-    uniform steps through the ragged path too (tests and benchmarks compare the two).
+    naming the field before anything is shipped or written.
     """
-    arrays, plan = store_plan_arrays(
-        query_start_loc_cpu, slots, max_rejected, window, num_slots, allow_flat
-    )
+    arrays, plan = store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slots)
     return StorePlan(**plan, **ship(arrays, device))
 
 
-def store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slots, allow_flat=True):
+def is_flat_step(lengths: np.ndarray) -> bool:
+    """Every request has the same number of rows: the step is an ``[R, L]`` rectangle."""
+    return lengths.size > 0 and lengths.min() == lengths.max()
+
+
+def store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slots):
     """Checks + host arrays of a store plan (a step plan ships them with its own arrays)."""
     for name, value in (("window", window), ("num_slots", num_slots)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -172,7 +174,7 @@ def store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slot
         if num_requests and (bound > lengths).any():
             raise ValueError("num_rejected[r] must be <= segment length qsl[r+1] - qsl[r]")
 
-    uniform = allow_flat and num_requests > 0 and lengths.min() == lengths.max()
+    uniform = is_flat_step(lengths)
     counts = np.minimum(lengths, window + bound)
     if uniform:
         seg_len = int(lengths[0])

@@ -14,8 +14,7 @@ per size and replay it every step, as it does the target model:
   reads them before the next step.
 
 Only on CUDA with graphs on (``enforce_eager`` off, a cudagraph mode other than NONE) and
-``DSPARK_DRAFT_CUDAGRAPH`` not ``0``; CPU runs the block eagerly. ``make_wrapper`` is a
-seam for a stand-in graph in CPU tests (``tests/support/fake_cuda_graph.py``).
+``DSPARK_DRAFT_CUDAGRAPH`` not ``0``; CPU runs the block eagerly.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ def draft_graphs_wanted(vllm_config, device: torch.device) -> bool:
     return not eager and mode is not None and mode != CUDAGraphMode.NONE
 
 
-def _vllm_wrapper(runnable: Callable, vllm_config):
+def cuda_graph_wrapper(runnable: Callable, vllm_config):
+    """vLLM's FULL-mode ``CUDAGraphWrapper`` around ``runnable``."""
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.config import CUDAGraphMode
 
@@ -62,7 +62,6 @@ class DraftBlockGraphs:
         vocab_size: int,
         sampled: bool,
         device: torch.device,
-        make_wrapper: Callable = _vllm_wrapper,
     ) -> None:
         self.vllm_config = vllm_config
         self.sizes = sorted(sizes)
@@ -78,7 +77,7 @@ class DraftBlockGraphs:
             self.noise = torch.ones(
                 rows, num_spec_tokens, vocab_size, dtype=torch.float32, device=device
             )
-        self.graph = make_wrapper(block, vllm_config)
+        self.graph = cuda_graph_wrapper(block, vllm_config)
         self.captured: set[int] = set()
 
     def _inputs(self, size: int) -> tuple:

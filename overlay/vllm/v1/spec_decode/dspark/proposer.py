@@ -32,7 +32,7 @@ feed it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -118,10 +118,6 @@ class DSparkProposer:
         self._last_probs: torch.Tensor | None = None
         self._block_offsets: torch.Tensor | None = None  # arange(N) on the device, made once
         self.graphs: DraftBlockGraphs | None = None  # CUDA graphs of the draft block
-        # The one test hook (None in production): replaces the drafts of a step.
-        # ``draft_override(req_ids=, anchor_positions=, anchor_tokens=, drafts=)`` gets
-        # [R] tensors and the [R, k] drafts, returns replacement drafts or None.
-        self.draft_override: Callable[..., torch.Tensor | None] | None = None
         self.supports_mm_inputs = False
 
     @property
@@ -178,12 +174,8 @@ class DSparkProposer:
         if draft_graphs_wanted(self.vllm_config, self.device):
             self.use_draft_graphs()
 
-    def use_draft_graphs(self, make_wrapper=None) -> None:
-        """Run the draft block as one CUDA graph per draft size (captured in ``dummy_run``).
-
-        ``make_wrapper`` replaces vLLM's ``CUDAGraphWrapper`` (tests use a stand-in on CPU).
-        """
-        kwargs = {} if make_wrapper is None else {"make_wrapper": make_wrapper}
+    def use_draft_graphs(self) -> None:
+        """Run the draft block as one CUDA graph per draft size (captured in ``dummy_run``)."""
         self.graphs = DraftBlockGraphs(
             self.draft_block,
             self.vllm_config,
@@ -192,7 +184,6 @@ class DSparkProposer:
             vocab_size=self.model.shape.vocab_size,
             sampled=self.probabilistic,
             device=self.device,
-            **kwargs,
         )
 
     def layer_caches(self) -> list[torch.Tensor]:
@@ -309,24 +300,23 @@ class DSparkProposer:
                 noise = self.draw_race_noise(seeds, anchor_pos)
             else:
                 temperature = None
-            tokens, head, embeds, *probs = self._run_block(
-                plan.draft_slots, anchors, anchor_pos, temperature, noise
-            )
-        drafts = tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
-        self._last_probs = probs[0][:num_reqs] if probs else None
-        self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
-        if self.draft_override is not None:
-            replaced = self.draft_override(
-                req_ids=req_ids,
-                anchor_positions=anchor_pos[:num_reqs],
-                anchor_tokens=next_token_ids,
-                drafts=drafts,
-            )
-            if replaced is not None:
-                drafts = replaced.to(drafts.device, drafts.dtype)
-                self._last_probs = None
+            drafts = self._draft(req_ids, plan, anchors, anchor_pos, temperature, noise)
         self._count(plan, num_rejected)
         return drafts.to(torch.int32)
+
+    def _draft(self, req_ids, plan: StepPlan, anchors, anchor_pos, temperature, noise):
+        """``[R, k]`` drafts of the step's requests from the draft block, padded rows dropped.
+
+        Keeps the block's draft probabilities (the rejection sampler's, when sampling) and
+        the confidence head's inputs for this step.
+        """
+        tokens, head, embeds, *probs = self._run_block(
+            plan.draft_slots, anchors, anchor_pos, temperature, noise
+        )
+        num_reqs = plan.num_requests
+        self._last_probs = probs[0][:num_reqs] if probs else None
+        self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
+        return tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
 
     def plan(self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu):
         """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""
