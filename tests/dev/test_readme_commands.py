@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [d for d in ("README.md", "overlay/README.md", "scripts/bench/README.md") if (REPO / d).is_file()]
+DOCS = [
+    d for d in ("README.md", "overlay/README.md", "scripts/bench/README.md") if (REPO / d).is_file()
+]
 MAX_README_LINES = 300
 SPARK_SECTION_WITHIN = 100
 
