@@ -49,7 +49,7 @@ def check(
     """PASS/WARN/FAIL lines for `model`@`revision` in `cache_dir` (an HF_HOME with hub/)."""
     if not cache_dir.is_dir():
         report.fail("cache", f"MODEL_CACHE_DIR={cache_dir} does not exist",
-                    "create it and download the model into it (see README: Running on two Sparks)")
+                    "create it and download the model into it (see README: Two Sparks, step 4)")
         return
     fix = _download_fix(cache_dir, image, model, revision)
     repo = cache_dir / "hub" / f"models--{model.replace('/', '--')}"
