@@ -6,7 +6,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PROFILE ?= cpu-tiny
-OVERLAY_MODE ?=
+# The dev venv links the checkout's overlay files (one copy under test: an edit is live at once);
+# OVERLAY_MODE= copies them, as the image and an existing install do.
+OVERLAY_MODE ?= --link
 TINY_MODEL := models/tiny-dsv4-dspark
 CACHE := .cache
 # Serving sweep sized for the CPU tiny server; on a Spark pass your own, e.g.
@@ -94,7 +96,7 @@ lint: setup ## ruff, hadolint, shellcheck
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh scripts/find_python.sh docker/entrypoint.sh
 
-apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (OVERLAY_MODE=--link for development)
+apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (linked; OVERLAY_MODE= copies)
 	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)
 
 revert: ## take the overlay off the venv's vLLM

@@ -251,16 +251,25 @@ COMPRESSOR_CASES = {
 }
 
 
+def _store_and_check_the_rest(sc, op, record_bytes: int, scale_bytes: int):
+    """Run the store; every cache byte outside the expected records must be unchanged.
+
+    Returns the expected vector per slot and the cache as it was before the store.
+    """
+    eps = 1e-6
+    want = sc.expected(eps)
+    before = sc.run(op, eps)
+    assert _untouched_except(before, sc.kv_cache, sc.kv_bs, record_bytes, scale_bytes, want)
+    return want, before
+
+
 @pytest.mark.parametrize("case", sorted(COMPRESSOR_CASES))
 def test_compress_norm_rope_store_main(case):
     reqs, ratio, no_slot = COMPRESSOR_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     sc = Scenario(reqs, ratio, 512, 4 if ratio == 4 else 8, 64, gen, no_slot)
-    eps = 1e-6
-    want = sc.expected(eps)
-    before = sc.run(ops.compress_norm_rope_store_cpu, eps)
+    want, before = _store_and_check_the_rest(sc, ops.compress_norm_rope_store_cpu, 576, 8)
     cache = sc.kv_cache
-    assert _untouched_except(before, cache, sc.kv_bs, 576, 8, want)
     nope_bytes = []
     for slot, vec in want.items():
         b, o = slot // sc.kv_bs, slot % sc.kv_bs
@@ -289,11 +298,8 @@ def test_compress_norm_rope_store_indexer(case):
     reqs, ratio, no_slot = COMPRESSOR_CASES[case]
     gen = torch.Generator().manual_seed(100 + len(case))
     sc = Scenario(reqs, ratio, 128, 4, 64, gen, no_slot)
-    eps = 1e-6
-    want = sc.expected(eps)
-    before = sc.run(ops.compress_norm_rope_store_indexer_cpu, eps)
+    want, before = _store_and_check_the_rest(sc, ops.compress_norm_rope_store_indexer_cpu, 128, 4)
     cache = sc.kv_cache
-    assert _untouched_except(before, cache, sc.kv_bs, 128, 4, want)
     key_bytes = []
     for slot, vec in want.items():
         b, o = slot // sc.kv_bs, slot % sc.kv_bs
