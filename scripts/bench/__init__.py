@@ -2,5 +2,5 @@
 
 content: content-typed prompts; sweep: the levels, /metrics deltas, provenance; prometheus and
 dspark: /metrics parsing (shared with the smoke check); report; ab: `make ab`. The roofline
-beside every level is scripts/roofline.py.
+beside every level is scripts/bench/roofline.py.
 """

@@ -16,7 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .. import recipe, roofline
+from .. import recipe
+from . import roofline
 from . import content
 from .report import markdown, write_plots
 from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep, scrape

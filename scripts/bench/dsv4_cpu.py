@@ -12,8 +12,8 @@ interpreter (TRITON_INTERPRET=1, triton from the oracle dir, never the product v
              LLM.generate on the tiny model in real vLLM with each implementation.
 
 Usage:
-  .venv/bin/python scripts/bench_dsv4_cpu.py metadata [--oracle-dir .cache/triton-oracle]
-  .venv/bin/python scripts/bench_dsv4_cpu.py generate [--model models/tiny-dsv4-dspark]
+  .venv/bin/python -m scripts.bench.dsv4_cpu metadata [--oracle-dir .cache/triton-oracle]
+  .venv/bin/python -m scripts.bench.dsv4_cpu generate [--model models/tiny-dsv4-dspark]
 
 Prints a table with the ratio (interpreter / torch); nothing is asserted.
 """
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 LENS = (1, 7, 130, 300)
 NEW_TOKENS = 10
@@ -186,7 +186,7 @@ def generate(args) -> int:
         subprocess.run(
             [
                 sys.executable,
-                str(REPO / "scripts/make_tiny_model.py"),
+                str(REPO / "scripts/tiny/make_tiny_model.py"),
                 "--out",
                 str(model),
                 "--dspark",

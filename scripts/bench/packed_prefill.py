@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import torch
-from overlay_source import load_overlay_module
+from scripts.dev.overlay_source import load_overlay_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "bench-results"
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Per-step cost of the DSpark proposer inside real vLLM (CPU build), V1 runner.
 
-Runs an in-process engine on the tiny DeepSeek-V4-DSpark checkpoint (k=4, 8 prompts of
-1 to 300 tokens, 64-token chunked prefill, so steps mix prefill chunks and verify rows)
+Runs an in-process engine on the tiny DeepSeek-V4-DSpark checkpoint with the recipe
+profile's demo settings (cpu-tiny: k=4, 64-token chunked prefill) and 8 prompts of 1 to
+300 tokens, so steps mix prefill chunks and verify rows,
 and wraps ``DSparkProposer.propose``. Two passes over the same workload:
 
 1. counting: per ``propose`` call, the top-level aten ops (torch profiler: ``aten::``
@@ -20,7 +21,7 @@ Writes ``bench-results/bench_proposer.json``; with ``--baseline OLD.json`` (an e
 run, e.g. before a change) prints after/before ratios. Usage::
 
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \\
-        .venv/bin/python scripts/bench_proposer.py [--max-tokens 24] [--baseline OLD.json]
+        .venv/bin/python -m scripts.bench.proposer [--profile cpu-tiny] [--max-tokens 24] [--baseline OLD.json]
 """
 
 from __future__ import annotations
@@ -31,17 +32,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO / "models" / "tiny-dsv4-dspark"
+REPO = Path(__file__).resolve().parents[2]
 OUT_DIR = REPO / "bench-results"
-PROMPT_LENS = [1, 4, 11, 27, 64, 130, 201, 300]
-CHUNK = 64
-NUM_SPEC = 4
 
 for key, value in {
     "HF_HUB_OFFLINE": "1",
@@ -52,6 +48,10 @@ for key, value in {
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from scripts.tiny.ensure import ensure_tiny_model  # noqa: E402
+from scripts.verify.engine import engine_kwargs, make_engine  # noqa: E402
+from scripts.verify.prompts import MIXED_LENGTHS, random_prompts  # noqa: E402
 
 # Tensor methods that copy tensor data into Python: a device-to-host sync on a GPU.
 _READS = {"item", "tolist", "__bool__", "__int__", "__index__", "__float__", "numpy"}
@@ -146,40 +146,12 @@ def top_level_aten_ops(prof, by_name: collections.Counter | None = None) -> tupl
     return total, in_block, launching
 
 
-def ensure_model(path: Path) -> Path:
-    if not (path / "config.json").exists():
-        cmd = [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--dspark"]
-        subprocess.run([*cmd, "--out", str(path), "--quiet", "--force"], check=True)
-    return path
-
-
-def make_engine(model: Path):
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model),
-            dtype="bfloat16",
-            enforce_eager=True,
-            max_model_len=512,
-            max_num_seqs=8,
-            max_num_batched_tokens=CHUNK,
-            enable_prefix_caching=False,
-            seed=0,
-            speculative_config={"method": "dspark", "num_speculative_tokens": NUM_SPEC},
-        )
-    )
-
-
 def run(engine, tag: str, max_tokens: int) -> list[float]:
     """Add the 8 prompts, step until done; returns each engine step's wall ms."""
     from vllm import SamplingParams
 
-    rng = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, n in enumerate(PROMPT_LENS):
-        ids = torch.randint(9, 1000, (n,), generator=rng).tolist()
+    for i, ids in enumerate(random_prompts(MIXED_LENGTHS, seed=0)):
         engine.add_request(f"{tag}{i}", {"prompt_token_ids": ids}, params)
     step_ms = []
     while engine.has_unfinished_requests():
@@ -231,14 +203,17 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--profile", default="cpu-tiny", help="recipe profile (engine settings)")
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: profile's)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--label", default="current", help="name stored in the JSON")
     ap.add_argument("--baseline", type=Path, help="an earlier JSON to compare against")
     ap.add_argument("--out", type=Path, default=OUT_DIR / "bench_proposer.json")
     args = ap.parse_args(argv)
 
-    engine = make_engine(ensure_model(args.model.resolve()))
+    kwargs = engine_kwargs(args.profile, seed=0)
+    model = ensure_tiny_model(args.model or Path(kwargs["model"]), train=False)
+    engine = make_engine({**kwargs, "model": str(model)})
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     propose = drafter.propose
     ops, outside_block, launching, reads, propose_ms = [], [], [], [], []
@@ -283,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "workload": {
-            "prompt_lens": PROMPT_LENS,
-            "chunk": CHUNK,
-            "k": NUM_SPEC,
+            "prompt_lens": list(MIXED_LENGTHS),
+            "chunk": kwargs["max_num_batched_tokens"],
+            "k": kwargs["speculative_config"]["num_speculative_tokens"],
             "max_tokens": args.max_tokens,
         },
         "steps": len(ops),

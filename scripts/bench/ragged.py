@@ -17,7 +17,7 @@ Prints median time per call, speed-up vs both loops, the bytes each call allocat
 (measured with the torch profiler) and the padding bytes of the rectangle; writes
 ``bench-results/bench_ragged.json`` and ``.png``. Usage::
 
-    .venv/bin/python scripts/bench_ragged.py [--quick] [--threads N]
+    .venv/bin/python -m scripts.bench.ragged [--quick] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import torch
-from overlay_source import load_overlay_module
+from scripts.dev.overlay_source import load_overlay_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "bench-results"
 VERIFY_ROWS = 6  # anchor + 5 drafts
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import recipe
+from scripts import recipe
 
 GB10_GBS = 273.0  # DGX Spark (GB10) LPDDR5x
 BF16, F32 = 2.0, 4.0

@@ -19,7 +19,7 @@ Loads the overlay's pure-torch modules from ``overlay/`` (``overlay_source``) an
 On ``--device cpu`` the CUDA-only checks are reported as skipped. Writes JSON with what
 passed; exits 1 if anything failed. Runs on Python 3.12 + torch 2.11 as well::
 
-    python scripts/gpu_check.py --device cuda --out gpu_check.json
+    python -m scripts.dev.gpu_check --device cuda --out gpu_check.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from overlay_source import load_overlay_module
+from scripts.dev.overlay_source import load_overlay_module
 
 dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
 pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")

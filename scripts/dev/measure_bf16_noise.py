@@ -12,7 +12,7 @@ well below the deficit of a wrong token (also printed: the gap between the best 
 second-best token, and how many positions are closer than epsilon, where the oracle
 cannot tell the two apart).
 
-Usage: python scripts/measure_bf16_noise.py [--model DIR] [--tokens 32]
+Usage: python -m scripts.dev.measure_bf16_noise [--model DIR] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from plain_target import PlainTarget
-from teacher_forcing import EPSILON_NATS
+from scripts.verify.plain_target import PlainTarget
+from scripts.verify.teacher_forcing import EPSILON_NATS
 
-import recipe
+from scripts import recipe
 
 LENGTHS = [1, 4, 11, 27, 64, 130, 201, 300]
 TOP = 5  # logprobs kept per position: a near-tie runner-up is always among them

@@ -10,7 +10,7 @@ operators or the equivalent list change; when only its tests change, the survivo
 (killed mutants stay killed). The mutants run in `mutation_worker.py` processes, `--jobs` at a
 time (one module each).
 
-    .venv/bin/python scripts/mutation.py [--module NAME ...] [--limit N] [--jobs J] [--report-only]
+    .venv/bin/python -m scripts.dev.mutation [--module NAME ...] [--limit N] [--jobs J] [--report-only]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from cosmic_ray.plugins import get_operator
 from cosmic_ray.work_db import WorkDB, use_db
 from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKDIR = ROOT / ".cache" / "mutation"
 BIN = Path(sys.executable).parent
 HELD_LOCKS: list = []
@@ -227,8 +227,9 @@ def run_workers(names: list[str], config: Config, limit: int | None, jobs: int) 
         if startable and len(running) < jobs:
             name = startable[0]
             queue.remove(name)
-            command = [sys.executable, str(ROOT / "scripts" / "mutation_worker.py"), "--module", name]
-            running[name] = subprocess.Popen(command + (["--limit", str(limit)] if limit else []))
+            command = [sys.executable, "-m", "scripts.dev.mutation_worker", "--module", name]
+            running[name] = subprocess.Popen(command + (["--limit", str(limit)] if limit else []),
+                                             cwd=ROOT)
             continue
         time.sleep(0.5)
     return failed

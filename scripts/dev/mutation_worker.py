@@ -13,7 +13,7 @@ child and its Python subprocesses) and the file on disk never changes: any numbe
 can run at once. Scripts also run as programs, which read the file itself, so their mutants
 are written to disk (and put back whatever happens): one such module at a time.
 
-    .venv/bin/python scripts/mutation_worker.py --module NAME [--limit N]
+    python -m scripts.dev.mutation_worker --module NAME [--limit N]
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import traceback
 from contextlib import suppress
 from pathlib import Path
 
-import mutation
-import mutation_hook
 import pytest
 from cosmic_ray.mutating import mutate_code
 from cosmic_ray.plugins import get_operator
 from cosmic_ray.work_db import WorkDB, use_db
 from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
+from scripts.dev import mutation, mutation_hook
+
 ROOT = mutation.ROOT
-LOCAL_DIRS = (ROOT / "tests", ROOT / "scripts")
+LOCAL_PACKAGES = {"scripts", "tests"}  # what the tests import from this checkout
 KILLED_CODES = {1, 2, 3}  # tests failed; collection failed (no import); pytest crashed on it
 OUTPUT_TAIL = 4000
 
@@ -92,12 +92,11 @@ def module_imports(path: Path, package: str | None = None) -> set[str]:
 def warm_names(module: mutation.Module) -> list[str]:
     """What the tests import from outside this checkout; for a test importing the module
     through vLLM, the module's package and imports instead of the module."""
-    local = {p.name.removesuffix(".py") for d in LOCAL_DIRS for p in d.iterdir()}
     own_name = installed_name(module)
-    names = {n for n in module_imports(ROOT / module.path) if n.split(".")[0] not in local}
+    names = {n for n in module_imports(ROOT / module.path) if n.split(".")[0] not in LOCAL_PACKAGES}
     for test in [*module.tests, "tests/conftest.py"]:
         for name in module_imports(ROOT / test):
-            if name.split(".")[0] in local:
+            if name.split(".")[0] in LOCAL_PACKAGES:
                 continue
             if name == own_name:
                 package = name.rpartition(".")[0]

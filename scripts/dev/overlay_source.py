@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 from types import ModuleType
 
-OVERLAY = Path(__file__).resolve().parents[1] / "overlay"
+OVERLAY = Path(__file__).resolve().parents[2] / "overlay"
 ROOT_PACKAGE = "_overlay"
 
 

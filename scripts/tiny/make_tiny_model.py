@@ -27,8 +27,8 @@ and no ``n_mtp_layers`` / ``enable_confidence_head`` keys); ``--bf16-twin DIR2``
 the exact bf16 dequantisation of the same weights, without ``quantization_config``.
 
 Usage:
-    python scripts/make_tiny_model.py --out models/tiny-dsv4-dspark --dspark
-    python scripts/make_tiny_model.py --dspark --format real --out DIR --bf16-twin DIR2
+    python -m scripts.tiny.make_tiny_model --out models/tiny-dsv4-dspark --dspark
+    python -m scripts.tiny.make_tiny_model --dspark --format real --out DIR --bf16-twin DIR2
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def build_config(args: argparse.Namespace, vocab_size: int) -> dict:
             }
         )
     if args.format == "real":
-        from checkpoint_quant import QUANTIZATION_CONFIG
+        from scripts.tiny.checkpoint_quant import QUANTIZATION_CONFIG
 
         cfg.pop("n_mtp_layers", None)
         cfg.pop("enable_confidence_head", None)
@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         tensors = build_tensors(cfg, args.seed, log, args.mtp_layers if args.dspark else 0)
         log(f"[3/3] writing the checkpoint ({args.format} format)")
         if args.format == "real":
-            from checkpoint_quant import to_real_format
+            from scripts.tiny.checkpoint_quant import to_real_format
 
             real, bf16_twin = to_real_format(tensors)
             _write_checkpoint(tmps[0], cfg, real, log)

@@ -27,7 +27,7 @@ Writes the trained ``mtp.*`` tensors into the checkpoint (every other tensor unc
 ``--seed`` on one machine; a second run with the same settings finds the record and does
 nothing, so ``make demo`` / ``make test`` train once.
 
-Usage: python scripts/train_tiny_draft.py --model models/tiny-dsv4-dspark [--seed 0]
+Usage: python -m scripts.tiny.train_tiny_draft --model models/tiny-dsv4-dspark [--seed 0]
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def simulate_acceptance(twin, corpus) -> dict:
 
 def train(args, cfg, tensors, train_corpus, bar):
     import torch
-    from draft_twin import DraftTwin
+    from scripts.tiny.draft_twin import DraftTwin
 
     gen = torch.Generator().manual_seed(args.seed)
     twin = DraftTwin(cfg, tensors, MAX_MODEL_LEN)
@@ -287,7 +287,7 @@ def train(args, cfg, tensors, train_corpus, bar):
 def cached_traces(path: Path | None, prompts: list[list[int]], gen_len: int):
     """Traces saved by an earlier run for exactly these prompts and length, else None."""
     import torch
-    from target_traces import Trace
+    from scripts.tiny.target_traces import Trace
 
     if path is None or not path.is_file():
         return None
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
 
     import torch
     from safetensors.torch import load_file
-    from target_traces import collect_traces_in_child, random_prompts
+    from scripts.tiny.target_traces import collect_traces_in_child, random_prompts
     from tqdm import tqdm
 
     tensors = load_file(str(model_dir / "model.safetensors"))
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     train_corpus = Corpus(traces[: args.sequences], n)
     held_out = Corpus(traces[args.sequences :], n)
 
-    from draft_twin import DraftTwin
+    from scripts.tiny.draft_twin import DraftTwin
 
     untrained = simulate_acceptance(DraftTwin(cfg, tensors, MAX_MODEL_LEN), held_out)
     bar = tqdm(total=args.steps, desc="training the draft", disable=args.quiet, unit="step")

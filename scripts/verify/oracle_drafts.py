@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plain_target import PlainTarget
+from scripts.verify.plain_target import PlainTarget
 
 # (call index, row in the call, continuation) -> the drafts actually handed to vLLM.
 Corrupt = Callable[[int, int, list[int]], list[int]]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Bound on the deficit of a correct token, in nats, measured with
-# scripts/measure_bf16_noise.py on the tiny checkpoint (Sapphire Rapids, AMX): prefill
+# scripts/dev/measure_bf16_noise.py on the tiny checkpoint (Sapphire Rapids, AMX): prefill
 # scorings batched / alone / 16-64-2048-token chunks / 1-2 threads agree exactly, but greedy
 # decoding of each prompt alone, scored by a batched prefill, reached 0.344 nats (decode and
 # prefill take different kernels and chunk boundaries). 1.0 leaves a 2.9x margin over that and
