@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import recipe
-from . import roofline
-from . import content
+from . import content, roofline
 from .report import markdown, write_plots
 from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep, scrape
 

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.tiny.ensure import run_tool
+
 REPO = Path(__file__).resolve().parents[2]
 
 LENS = (1, 7, 130, 300)
@@ -150,8 +152,9 @@ def metadata(args) -> int:
         # the oracle's Triton is visible to the interpreter child only (never the product venv)
         env = dict(os.environ, PYTHONPATH=str(args.oracle_dir), TRITON_INTERPRET="1")
         res = subprocess.run(
-            [sys.executable, "-W", "ignore", __file__, "_metadata_child", "--impl", impl,
-             "--oracle-dir", str(args.oracle_dir)],
+            [sys.executable, "-W", "ignore", "-m", "scripts.bench.dsv4_cpu", "_metadata_child",
+             "--impl", impl, "--oracle-dir", str(args.oracle_dir)],
+            cwd=REPO,
             capture_output=True,
             text=True,
             timeout=1800,
@@ -183,27 +186,20 @@ def generate(args) -> int:
         return 2
     model = args.model
     if not (model / "model.safetensors").is_file():
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts/tiny/make_tiny_model.py"),
-                "--out",
-                str(model),
-                "--dspark",
-            ],
-            check=True,
-        )
+        run_tool("make_tiny_model", "--out", str(model), "--dspark")
     # the e2e runner is a standalone program (run, not imported); it uses the venv's vLLM
-    # with the overlay that `make setup` applied
-    runner = REPO / "tests/dsv4_e2e_runner.py"
+    # with the overlay that `make setup` applied, and the oracle's Triton when interpreting
     with tempfile.TemporaryDirectory() as tmp:
         rows = {}
         for impl in ("interpreter", "torch"):
             out = Path(tmp) / f"{impl}.json"
-            extra = ["--interpreter", str(args.oracle_dir)] if impl == "interpreter" else []
+            interpreting = impl == "interpreter"
+            env = dict(os.environ, PYTHONPATH=str(args.oracle_dir)) if interpreting else None
             res = subprocess.run(
-                [sys.executable, "-W", "ignore", str(runner), str(model), "--out", str(out),
-                 *extra],
+                [sys.executable, "-W", "ignore", "-m", "tests.e2e.runners.dsv4", str(model),
+                 "--out", str(out), *(["--interpreter"] if interpreting else [])],
+                cwd=REPO,
+                env=env,
                 capture_output=True,
                 text=True,
                 timeout=3600,

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from scripts.dev.overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[2]

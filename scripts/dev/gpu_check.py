@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from scripts.dev.overlay_source import load_overlay_module
 
 dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")

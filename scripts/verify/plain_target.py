@@ -15,7 +15,12 @@ import os
 import traceback
 from typing import Any
 
-from scripts.verify.teacher_forcing import EPSILON_NATS, OracleReport, prompt_logprobs, teacher_force
+from scripts.verify.teacher_forcing import (
+    EPSILON_NATS,
+    OracleReport,
+    prompt_logprobs,
+    teacher_force,
+)
 
 # In-process vLLM on CPU without network: what the child needs, unless the caller says else.
 ENGINE_ENV_DEFAULTS = {

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.spark_host import (
+
+from tests.support.net import free_port
+from tests.support.spark_host import (
     API_KEY,
     ENTRYPOINT,
     PREFLIGHT,
@@ -39,7 +41,6 @@ from fixtures.spark_host import (
     standard_gids,
     write_env,
 )
-from support.net import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,7 +63,7 @@ REQUIRED = {
 
 
 def recipe(*args: str) -> str:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "recipe.py"), *args],
+    return subprocess.run([sys.executable, "-m", "scripts.recipe", *args], cwd=REPO,
                           capture_output=True, text=True, check=True).stdout
 
 
@@ -325,8 +326,8 @@ def test_check_env_loopback_only_under_the_rehearsal_bypass():
             "VLLM_HOST_IP": "127.0.0.2", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_HCA": "=none"}
 
     def run(**over):
-        r = subprocess.run([sys.executable, str(REPO / "scripts" / "recipe.py"), "check-env",
-                            "--container", "--nnodes", "2"], env={**base, **over},
+        r = subprocess.run([sys.executable, "-m", "scripts.recipe", "check-env",
+                            "--container", "--nnodes", "2"], env={**base, **over}, cwd=REPO,
                            capture_output=True, text=True)
         return r.returncode, r.stdout + r.stderr
 
@@ -408,7 +409,7 @@ def pin_check_script() -> str:
     start = text.index('RUN arch="$(uname -m)"')
     end = text.index('exit "$bad"', start) + len('exit "$bad"')
     body = text[start + len("RUN "):end].replace("\\\n", " ")
-    return body.replace("/opt/dspark/scripts/recipe.py", str(REPO / "scripts" / "recipe.py"))
+    return body.replace("cd /opt/dspark &&", f"cd {REPO} &&")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -918,9 +919,9 @@ def test_smoke_passes_against_a_drafting_server(ep, stub):
 ])
 def test_smoke_fails_without_speculative_decoding(ep, stub, mode, message):
     srv = stub(mode)
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "smoke.py"),
+    r = subprocess.run([sys.executable, "-m", "scripts.smoke",
                         "--base-url", f"http://127.0.0.1:{srv.server_address[1]}",
-                        "--model", srv.model], capture_output=True, text=True, timeout=30)
+                        "--model", srv.model], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert r.returncode == 1
     assert message in r.stderr
 
@@ -940,9 +941,9 @@ def test_healthcheck_head_and_worker(ep, stub):
 
 def test_smoke_reports_a_wrong_model(ep, stub):
     srv = stub("ok")
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "smoke.py"),
+    r = subprocess.run([sys.executable, "-m", "scripts.smoke",
                         "--base-url", f"http://127.0.0.1:{srv.server_address[1]}",
-                        "--model", "other-model"], capture_output=True, text=True, timeout=30,
+                        "--model", "other-model"], cwd=REPO, capture_output=True, text=True, timeout=30,
                        env={**os.environ, "VLLM_API_KEY": ""})
     assert r.returncode == 1
     assert "model 'other-model' is not served" in r.stderr

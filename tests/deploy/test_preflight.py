@@ -11,7 +11,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from fixtures.spark_host import (
+
+from tests.support.spark_host import (
     PREFLIGHT,
     V1,
     V2,

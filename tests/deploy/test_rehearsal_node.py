@@ -11,7 +11,6 @@ import subprocess
 import time
 
 import pytest
-from conftest import REPO
 
 from scripts.rehearsal.node import (
     compose_environment,
@@ -20,6 +19,7 @@ from scripts.rehearsal.node import (
     read_env_file,
     write_env_file,
 )
+from tests.support.paths import REPO
 
 VALUES = {
     "NODE_RANK": "1",

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.spark_host import API_KEY, PREFLIGHT, REPO, FakeHost, node_env, write_env
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from tests.support.paths import FIXTURES  # noqa: E402
+from tests.support.spark_host import API_KEY, PREFLIGHT, REPO, FakeHost, node_env, write_env
+
 HEAD_PIDS = "40211\n40388\n40512"  # `docker top` of the head container in ss_head_*.txt
 
 
@@ -103,9 +104,9 @@ def test_audit_against_a_real_torch_distributed_store(tmp_path):
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(profile))
     env = dict(os.environ, VLLM_HOST_IP="192.168.100.10", NCCL_SOCKET_IFNAME="enp1s0f0np0",
                NODE_RANK="0", FIREWALLED_PORTS="")
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "recipe.py"), "audit",
+    r = subprocess.run([sys.executable, "-m", "scripts.recipe", "audit",
                         str(tmp_path / "p.yaml"), "--ss", str(saved), "--pids", str(os.getpid())],
-                       env=env, capture_output=True, text=True, timeout=60)
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stdout + r.stderr
     assert f":{port} " in r.stdout and "listens on every interface" in r.stdout
     assert "torch.distributed's store" in r.stdout
@@ -113,9 +114,9 @@ def test_audit_against_a_real_torch_distributed_store(tmp_path):
 
 def test_render_api_host_overrides_the_profile_bind_address():
     def render(*extra):
-        return subprocess.run([sys.executable, str(REPO / "scripts" / "recipe.py"), "render",
+        return subprocess.run([sys.executable, "-m", "scripts.recipe", "render",
                                "spark-2x", "--as", "argv", *extra],
-                              capture_output=True, text=True, timeout=60)
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
 
     argv = render().stdout.splitlines()
     assert argv[argv.index("--host") + 1] == "0.0.0.0"

@@ -22,19 +22,19 @@ import venv
 from collections.abc import Iterator
 from pathlib import Path
 
-import install_deps
 import pip
 import pytest
-from conftest import REPO
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-import recipe
+from scripts import recipe
+from scripts.setup import install_deps
+from tests.support.paths import REPO
 
 PINS = recipe.load_pins()
 TORCH_REQ = PINS["cpu"]["torch"]
 TORCH_VERSION = TORCH_REQ.split("==", 1)[1]
-FIND_PYTHON = REPO / "scripts" / "find_python.sh"
+FIND_PYTHON = REPO / "scripts" / "setup" / "find_python.sh"
 
 
 # ---- the pins against the packages themselves ------------------------------------------------

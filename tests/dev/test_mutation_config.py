@@ -1,4 +1,4 @@
-"""The mutation-testing configuration ([tool.mutation] in pyproject.toml, scripts/mutation.py).
+"""The mutation-testing configuration ([tool.mutation] in pyproject.toml, scripts/dev/mutation.py).
 
 The run itself is slow (`make mutation`); this checks what it would run on: every core module
 of the issue is listed with tests that exist, and a bad entry is refused by name.
@@ -6,8 +6,9 @@ of the issue is listed with tests that exist, and a bad entry is refused by name
 
 from __future__ import annotations
 
-import mutation
 import pytest
+
+from scripts.dev import mutation
 
 CORE_MODULES = {
     "dspark_ragged": "overlay/vllm/v1/spec_decode/dspark_ragged.py",

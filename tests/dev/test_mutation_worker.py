@@ -1,4 +1,4 @@
-"""The mutation worker's machinery (scripts/mutation_worker.py, scripts/mutation_hook.py).
+"""The mutation worker's machinery (scripts/dev/mutation_worker.py, scripts/dev/mutation_hook.py).
 
 A mutant that does not reach the code under test would survive for the wrong reason, and a
 child that outlives its timeout would stall the run: both are checked here on a throwaway
@@ -13,10 +13,9 @@ import subprocess
 import sys
 import time
 
-import mutation
-import mutation_hook
-import mutation_worker
 import pytest
+
+from scripts.dev import mutation, mutation_hook, mutation_worker
 
 
 @pytest.fixture

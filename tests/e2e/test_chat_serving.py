@@ -21,10 +21,11 @@ import uuid
 
 import jsonschema
 import pytest
-from bench.prometheus import spec_decode_counters
-from conftest import REPO
-from support import grammar_oracle as grammar
-from teacher_forcing import EPSILON_NATS
+
+from scripts.bench.prometheus import spec_decode_counters
+from scripts.verify.teacher_forcing import EPSILON_NATS
+from tests.support import grammar_oracle as grammar
+from tests.support.paths import REPO
 
 openai = pytest.importorskip("openai")
 

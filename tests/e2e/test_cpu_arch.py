@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -45,9 +46,9 @@ for name in sys.argv[3:]:
 def configs(tmp_path_factory) -> dict[str, dict]:
     model = tmp_path_factory.mktemp("tiny-arch") / "tiny-dsv4"
     subprocess.run(
-        [sys.executable, str(REPO / "scripts/make_tiny_model.py"), "--out", str(model),
+        [sys.executable, "-m", "scripts.tiny.make_tiny_model", "--out", str(model),
          "--layers", "1", "--compress-ratios", "0", "--quiet"],
-        check=True, timeout=300,
+        cwd=REPO, check=True, timeout=300,
     )  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-c", _CONFIG_PASS, str(model), str(CHUNK), *ARCHS],

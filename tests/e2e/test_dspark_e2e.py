@@ -24,29 +24,27 @@ import torch
 import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
 from vllm.platforms.cpu_kernel_choice import choose
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dspark_e2e_runner as runner  # noqa: E402
-from dspark_support import ensure_tiny_model  # noqa: E402
-from support.greedy_oracle import EPSILON_NATS  # noqa: E402
+from tests.e2e.runners import dspark as runner
+from tests.support.greedy_oracle import EPSILON_NATS
+from tests.support.paths import REPO
+from tests.support.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-TESTS = Path(__file__).resolve().parent
 ENV = {
     **os.environ,
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "scripts"), str(TESTS)]),
 }
 
 
 def _run(mode: str, out: Path, *extra: str, env: dict | None = None) -> dict:
     model = ensure_tiny_model()
-    cmd = [sys.executable, str(Path(runner.__file__)), mode, "--model", str(model)]
+    cmd = [sys.executable, "-m", runner.__name__, mode, "--model", str(model)]
     proc = subprocess.run(
         [*cmd, "--out", str(out), *extra],
+        cwd=REPO,
         env={**ENV, **(env or {})},
         capture_output=True,
         text=True,

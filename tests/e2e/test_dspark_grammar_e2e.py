@@ -1,6 +1,6 @@
 """DSpark under constrained decoding in real vLLM on CPU (V1 runner, overlay applied).
 
-``dspark_grammar_runner.py`` runs greedy requests under a JSON schema and a regex on one DSpark
+``tests/e2e/runners/grammar.py`` runs greedy requests under a JSON schema and a regex on one DSpark
 engine, with the tiny draft's own drafts and then with replayed drafts that know the answer
 (one slot of every third block changed), so verify steps under the grammar accept, reject and
 roll the grammar back. Oracle: an independent grammar matcher over the emitted tokens (every
@@ -10,11 +10,12 @@ token within EPSILON_NATS of the best allowed one).
 
 from __future__ import annotations
 
-import dspark_grammar_runner as runner
 import pytest
 import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
-from dspark_support import ensure_tiny_model, run_engine_script
-from teacher_forcing import EPSILON_NATS
+
+from scripts.verify.teacher_forcing import EPSILON_NATS
+from tests.e2e.runners import grammar as runner
+from tests.support.tiny import ensure_tiny_model, run_engine_script
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("grammar") / "report.json"
-    return run_engine_script(runner.__file__, out, "--model", str(ensure_tiny_model()),
+    return run_engine_script(runner.__name__, out, "--model", str(ensure_tiny_model()),
                              timeout=1200)
 
 

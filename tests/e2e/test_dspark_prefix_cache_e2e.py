@@ -14,20 +14,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import vllm.v1.spec_decode.dspark_proposer  # noqa: F401  (fails if the overlay is not applied)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dspark_prefix_cache_runner as runner  # noqa: E402
-from dspark_support import ensure_tiny_model  # noqa: E402
-from support.greedy_oracle import EPSILON_NATS  # noqa: E402
+from tests.e2e.runners import prefix_cache as runner
+from tests.support.greedy_oracle import EPSILON_NATS
+from tests.support.paths import REPO
+from tests.support.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
-
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +34,14 @@ def report(tmp_path_factory) -> dict:
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "scripts"), str(TESTS)]),
     }
     # vLLM aligns prefix-cache hits to the largest KV group block span: 64 compressed
     # states x the compress ratio. The default tiny checkpoint's C128A layer spans 8192
     # tokens (past its 512-token context), so this test uses a variant with sliding-window
     # and C4A layers only (256-token alignment).
-    model = ensure_tiny_model(TESTS.parent / "models" / "tiny-dsv4-dspark-c4", "0,4,0")
-    cmd = [sys.executable, runner.__file__, "--model", str(model), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    model = ensure_tiny_model(REPO / "models" / "tiny-dsv4-dspark-c4", "0,4,0")
+    cmd = [sys.executable, "-m", runner.__name__, "--model", str(model), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     if proc.returncode != 0:
         pytest.fail(f"prefix-cache run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())

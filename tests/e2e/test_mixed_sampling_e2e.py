@@ -14,14 +14,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dspark_support import ensure_tiny_model  # noqa: E402
-from support import mixed_sampling_runner as runner  # noqa: E402
+from tests.e2e.runners import mixed_sampling as runner
+from tests.support.paths import REPO
+from tests.support.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +36,8 @@ def run(request, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mixed") / f"{request.param}.json"
     cmd = [
         sys.executable,
-        str(Path(runner.__file__)),
+        "-m",
+        runner.__name__,
         "--method",
         request.param,
         "--model",
@@ -46,7 +45,7 @@ def run(request, tmp_path_factory) -> dict:
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"{request.param} run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())

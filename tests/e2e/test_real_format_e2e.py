@@ -6,7 +6,7 @@ The tiny checkpoint in DeepSeek-V4-Flash-DSpark's format (FP8 block + MXFP4, 3 s
 lossless by teacher forcing with the plain target of the same checkpoint; the target's
 prompt logprobs must agree with those of the exact bf16 twin within ``TWIN_TOLERANCE_NATS``
 (the weights are equal, only kernel rounding differs; measured: README, "Checkpoint
-formats"). Driven by ``real_format_e2e_runner.py`` in a child process.
+formats"). Driven by ``tests/e2e/runners/real_format.py`` in a child process.
 """
 
 from __future__ import annotations
@@ -15,17 +15,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from dspark_support import ensure_real_format_models
-from plain_target import ENGINE_ENV_DEFAULTS
-from support.greedy_oracle import EPSILON_NATS
+
+from scripts.verify.plain_target import ENGINE_ENV_DEFAULTS
+from tests.support.greedy_oracle import EPSILON_NATS
+from tests.support.paths import REPO
+from tests.support.tiny import ensure_real_format_models
 
 pytestmark = pytest.mark.e2e
 
-TESTS = Path(__file__).resolve().parent
 # The twin differs by kernel rounding alone; it is held to the oracle's bf16 noise bound,
 # and most positions must keep their argmax (a wrong dequantisation changes nearly all).
 TWIN_TOLERANCE_NATS = EPSILON_NATS
@@ -36,15 +36,10 @@ TWIN_SAME_ARGMAX = 0.9
 def report(tmp_path_factory) -> dict:
     real, twin = ensure_real_format_models()
     out = tmp_path_factory.mktemp("real-format") / "report.json"
-    scripts = TESTS.parent / "scripts"
-    env = {
-        **os.environ,
-        **ENGINE_ENV_DEFAULTS,
-        "PYTHONPATH": os.pathsep.join([str(scripts), str(TESTS)]),
-    }
-    cmd = [sys.executable, str(TESTS / "real_format_e2e_runner.py"), "--model", str(real),
+    env = {**os.environ, **ENGINE_ENV_DEFAULTS}
+    cmd = [sys.executable, "-m", "tests.e2e.runners.real_format", "--model", str(real),
            "--twin", str(twin), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     if proc.returncode != 0:
         pytest.fail(f"real-format run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())

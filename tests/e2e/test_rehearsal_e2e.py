@@ -21,7 +21,8 @@ import sys
 import warnings
 
 import pytest
-from conftest import REPO
+
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import REPO
-from support.cpu_server import CPU_TINY_API_KEY
+
+from tests.support.cpu_server import CPU_TINY_API_KEY
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -61,8 +62,9 @@ def test_api_key_is_required_everywhere_but_health(server, server_log):
 
 def test_smoke_sees_speculative_decoding(server):
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "smoke.py"), "--profile", "cpu-tiny",
+        [sys.executable, "-m", "scripts.smoke", "--profile", "cpu-tiny",
          "--base-url", server, "--max-tokens", "16"],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,19 +14,19 @@ import copy
 import json
 import socket
 import threading
-from pathlib import Path
 
 import pytest
 from aiohttp import web
-from dspark_support import ensure_tiny_model
 
 from scripts import recipe
 from scripts.bench import __main__ as bench_cli
 from scripts.bench import ab, content, prometheus, report
+from tests.support.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from tests.support.paths import FIXTURES  # noqa: E402
+
 BEFORE = (FIXTURES / "vllm_metrics_level_before.txt").read_text()
 AFTER = (FIXTURES / "vllm_metrics_level_after.txt").read_text()
 API_KEY = "fake-key-31f"

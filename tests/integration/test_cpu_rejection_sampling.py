@@ -15,13 +15,12 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from vllm.v1.sample.torch_expand_kernel import expand_kernel_impl
 
-PROBE = Path(__file__).resolve().parent / "support" / "rejection_probe.py"
+from tests.support.paths import REPO
 
 
 def expand_reference(values: list, cu: list[int], replace_from, replace_to) -> list:
@@ -68,7 +67,8 @@ def test_expand_rejects_mismatched_shapes_before_writing(output_len, cu, match):
 @pytest.fixture(scope="module")
 def probe() -> dict:
     """Run the probe in a fresh process (see its docstring for why)."""
-    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tests.support.rejection_probe"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         pytest.fail(f"rejection probe failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,16 +15,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from support.net import free_port
+
+from tests.support.net import free_port
+from tests.support.paths import FIXTURES, REPO
 
 pytestmark = pytest.mark.dist
 
-TESTS = Path(__file__).resolve().parent
-CONFIG = TESTS / "fixtures" / "dsv4_flash_dspark_config.json"
-SCRIPT = TESTS / "support" / "draft_contract.py"
+CONFIG = FIXTURES / "dsv4_flash_dspark_config.json"
 DROPPED = "mtp.1.ffn.experts.200.w2.scale"
 RENAMED = ("mtp.0.main_proj.scale", "mtp.0.main_proj.weight_scale")
 # Tensors per stage in the published shards (mtp.0 adds main_proj + main_norm, mtp.2 the
@@ -39,10 +38,9 @@ def reports(tmp_path_factory) -> dict:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "scripts"), str(TESTS)]),
         "GLOO_SOCKET_IFNAME": "lo",
     }
-    base = [sys.executable, str(SCRIPT), "--config", str(CONFIG)]
+    base = [sys.executable, "-m", "tests.support.draft_contract", "--config", str(CONFIG)]
     tp1 = [*base, "--port", str(free_port()), "--out", str(out / "tp1.json"),
            "--drop", DROPPED, "--rename", "=".join(RENAMED)]
     port = str(free_port())
@@ -52,7 +50,7 @@ def reports(tmp_path_factory) -> dict:
                                    "--out", str(out / f"tp2_rank{rank}.json")]
     # vLLM's CPU communicator names its shared-memory group after VLLM_DIST_IDENT.
     env["VLLM_DIST_IDENT"] = f"draft-contract-{port}"
-    procs = {k: subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    procs = {k: subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True) for k, cmd in runs.items()}
     for key, proc in procs.items():
         _, err = proc.communicate(timeout=900)

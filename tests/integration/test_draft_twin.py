@@ -1,4 +1,4 @@
-"""The trainable twin (scripts/draft_twin.py) computes the overlay's draft function.
+"""The trainable twin (scripts/tiny/draft_twin.py) computes the overlay's draft function.
 
 The overlay's draft runs bf16 vLLM kernels; the twin runs fp32 torch on the same
 checkpoint tensors. Same context, same blocks: context KV, head hidden states, base
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from draft_twin import DraftTwin
-from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context
 from vllm.models.deepseek_v4.common.dspark_draft import DraftContext
 from vllm.v1.spec_decode.dspark_ragged import window_mask
+
+from scripts.tiny.draft_twin import DraftTwin
+from tests.support.tiny import build_draft, ensure_tiny_model
 
 # Relative to the largest |value| of the overlay's tensor (max) and to its mean |value|
 # (mean): bf16 keeps 8 significant bits, and each of the draft's layers rounds its GEMM

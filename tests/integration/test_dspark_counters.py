@@ -11,8 +11,9 @@ import random
 from dataclasses import fields
 
 import torch
-from support.host_reads import HostReadGuard
 from vllm.v1.spec_decode.dspark_counters import DSparkCounters, StepCounters
+
+from tests.support.host_reads import HostReadGuard
 
 
 def _step(counters: StepCounters, tally: dict, rng: random.Random, num_rows: int) -> None:

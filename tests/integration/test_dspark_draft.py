@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_support import build_draft, ensure_tiny_model
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft import DraftContext  # noqa: E402
 from vllm.models.deepseek_v4.common.dspark_draft_layers import (  # noqa: E402
@@ -23,6 +22,8 @@ from vllm.models.deepseek_v4.common.fp8_ds_mla import (  # noqa: E402
     roundtrip_blocks,
 )
 from vllm.v1.spec_decode.dspark_ragged import window_mask  # noqa: E402
+
+from tests.support.tiny import build_draft, ensure_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +348,7 @@ OVERLAY_DSPARK_MODULES = (
 
 
 def test_overlay_dspark_path_never_imports_upstream_nvidia_draft():
-    from dspark_support import REPO
+    from tests.support.tiny import REPO
 
     for rel in OVERLAY_DSPARK_MODULES:
         text = (REPO / rel).read_text()
@@ -362,10 +363,11 @@ def test_proposer_builds_the_overlay_draft_when_the_platform_is_cuda(draft_env, 
     from types import SimpleNamespace
 
     import vllm.model_executor.model_loader.utils as loader_utils
-    from dspark_support import make_proposer
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v4.common.dspark_draft import DSparkDeepseekV4Draft
     from vllm.platforms import current_platform
+
+    from tests.support.tiny import make_proposer
 
     draft, vc, _ = draft_env
     proposer = make_proposer(draft, vc)

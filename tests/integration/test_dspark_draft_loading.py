@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dspark_support import ensure_tiny_model, vllm_single_process
+
+from tests.support.tiny import ensure_tiny_model, vllm_single_process
 
 
 @pytest.fixture(scope="module")

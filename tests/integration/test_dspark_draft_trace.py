@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_support import build_draft, ensure_tiny_model, make_proposer
+
+from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark_support import build_draft, ensure_tiny_model, make_proposer
-from support.fake_cuda_graph import FakeCUDAGraph
 from vllm.v1.spec_decode.dspark_graphs import DraftBlockGraphs, draft_graphs_wanted
+
+from tests.support.fake_cuda_graph import FakeCUDAGraph
+from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
 
 @pytest.fixture(scope="module")

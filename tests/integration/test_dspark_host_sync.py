@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 import vllm.v1.spec_decode.dspark_ragged as dr
-from support.host_reads import HostReadGuard
 from vllm.models.deepseek_v4.common.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark_step import capture_sizes, draft_anchor_positions, plan_step
+
+from tests.support.host_reads import HostReadGuard
 
 DEVICE = "meta"
 WINDOW, DIM, NUM_SLOTS, K = 16, 8, 6, 4
@@ -133,7 +134,8 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
 def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(tmp_path, monkeypatch):
     """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all."""
     import vllm.v1.spec_decode.dspark_metrics as dm
-    from dspark_support import build_draft, ensure_tiny_model, make_proposer
+
+    from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     monkeypatch.setattr(dm, "_exporter", None)

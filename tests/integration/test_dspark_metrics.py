@@ -15,14 +15,15 @@ import textwrap
 from dataclasses import fields
 
 import pytest
-from bench.dspark import dspark_delta, format_dspark
-from bench.prometheus import dspark_snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 from vllm.v1.spec_decode.dspark_counters import DSparkCounters
 from vllm.v1.spec_decode.dspark_metrics import CONTEXT_ROWS, STEPS, DSparkMetrics
+
+from scripts.bench.dspark import dspark_delta, format_dspark
+from scripts.bench.prometheus import dspark_snapshot
 
 PUBLISHED = [*STEPS.values(), *CONTEXT_ROWS.values(), "discarded_drafts"]
 
@@ -187,7 +188,7 @@ def test_parser_refuses_bad_pages():
 
 
 def test_serve_gives_each_server_an_empty_directory_and_sweeps_dead_ones(tmp_path, monkeypatch):
-    import serve
+    from scripts import serve
 
     monkeypatch.setattr(serve.tempfile, "gettempdir", lambda: str(tmp_path))
     root = tmp_path / f"vllm-metrics-{os.getuid()}"

@@ -14,8 +14,9 @@ import zlib
 import pytest
 import torch
 import vllm.v1.spec_decode.dspark_step as step_mod
-from dspark_support import build_draft, ensure_tiny_model, make_proposer
-from support.dspark_steps import observe_steps
+
+from tests.support.dspark_steps import observe_steps
+from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from dspark_support import build_draft, ensure_tiny_model, make_proposer
 from vllm.forward_context import set_forward_context
 from vllm.models.deepseek_v4.common.dspark_draft import (
     DraftContext,
@@ -29,6 +28,8 @@ from vllm.models.deepseek_v4.common.dspark_seeded_noise import (
     keyed_uniform,
 )
 from vllm.v1.spec_decode.dspark_ragged import window_mask
+
+from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
 
 @pytest.fixture(scope="module")

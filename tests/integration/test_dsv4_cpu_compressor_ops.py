@@ -17,7 +17,8 @@ import math
 
 import pytest
 import torch
-from support.overlay import load_overlay_module
+
+from tests.support.overlay import load_overlay_module
 
 ops = load_overlay_module("vllm/models/deepseek_v4/cpu/torch_compressor_ops.py")
 

@@ -17,12 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dsv4_kernel_cases as cases
-import dsv4_overlay_tree as tree
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import dsv4_kernel_cases as cases
+from tests.support import vllm_tree as tree
+from tests.support.paths import REPO
+
 ORACLE_DIR = Path(os.environ.get("TRITON_ORACLE_DIR", REPO / ".cache/triton-oracle"))
 ORACLE_INSTALL = (
     ".venv/bin/python -m pip install --no-deps --target .cache/triton-oracle triton==3.9.0"
@@ -208,16 +209,16 @@ def oracle_report(tmp_path_factory):
             sys.executable,
             "-W",
             "ignore",
-            str(Path(cases.__file__)),
+            "-m",
+            cases.__name__,
             "oracle",
             "--out",
             str(out),
-            "--oracle-dir",
-            str(ORACLE_DIR),
         ],
+        cwd=REPO,
         capture_output=True,
         text=True,
-        env=tree.subprocess_env(None),
+        env=tree.subprocess_env(ORACLE_DIR),
         timeout=900,
     )
     assert res.returncode == 0, res.stderr[-4000:]
@@ -246,7 +247,8 @@ def test_oracle_covers_every_kernel(oracle_report):
 
 def _run_overlay_mode(target: Path, out: Path) -> dict:
     res = subprocess.run(
-        [sys.executable, "-W", "ignore", str(Path(cases.__file__)), "overlay", "--out", str(out)],
+        [sys.executable, "-W", "ignore", "-m", cases.__name__, "overlay", "--out", str(out)],
+        cwd=REPO,
         capture_output=True,
         text=True,
         env=tree.subprocess_env(target),

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.greedy_oracle import EPSILON_NATS, OracleReport, teacher_force, token_deficits
 from vllm.logprobs import FlatLogprobs, Logprob
+
+from tests.support.greedy_oracle import EPSILON_NATS, OracleReport, teacher_force, token_deficits
 
 VOCAB = 40
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import checkpoint_quant as cq
 import pytest
 import torch
-from dspark_support import ensure_real_format_models, vllm_single_process
 from safetensors.torch import load_file
 from vllm.model_executor.layers.fused_moe.flashinfer_moe_ep import (
     _dequant_mxfp4_ue8m0_gran32 as vllm_mxfp4_reference,
 )
+
+from scripts.tiny import checkpoint_quant as cq
+from tests.support.tiny import ensure_real_format_models, vllm_single_process
 
 PUBLISHED_QUANTIZATION = {
     "activation_scheme": "dynamic",

@@ -1,4 +1,4 @@
-"""scripts/train_tiny_draft.py: the held-out acceptance it reports, and its training batches.
+"""scripts/tiny/train_tiny_draft.py: the held-out acceptance it reports, and its training batches.
 
 The acceptance simulation is checked against drafts whose outcome is known by
 construction (every slot right, only the first slot right, nothing right), on sequences
@@ -11,9 +11,10 @@ import json
 
 import pytest
 import torch
-import train_tiny_draft as ttd
-from draft_twin import TwinBlock
-from target_traces import Trace
+
+from scripts.tiny import train_tiny_draft as ttd
+from scripts.tiny.draft_twin import TwinBlock
+from scripts.tiny.target_traces import Trace
 
 N, V, W, H = 4, 32, 8, 6
 

@@ -1,12 +1,14 @@
 """DeepSeek-V4 metadata-kernel scenarios, run through vLLM's own launchers.
 
-Used by tests/test_dsv4_cpu_kernels.py in subprocesses (one vLLM import each):
+Used by tests/integration/test_dsv4_cpu_kernels.py in subprocesses (one vLLM import each),
+from the repo root:
 
-  python tests/dsv4_kernel_cases.py oracle  --out R.json [--oracle-dir D]
-      Triton interpreter (TRITON_INTERPRET=1, triton from D) runs every scenario, then the
+  PYTHONPATH=ORACLE_DIR python -m tests.support.dsv4_kernel_cases oracle --out R.json
+      Triton interpreter (TRITON_INTERPRET=1, the stock triton in ORACLE_DIR, which the
+      product venv never holds) runs every scenario, then the
       torch implementations (module at PATH) are registered through vLLM's dispatcher and
       the same scenarios run again; every output buffer is compared.
-  python tests/dsv4_kernel_cases.py overlay --out R.json
+  python -m tests.support.dsv4_kernel_cases overlay --out R.json
       No Triton: the (overlay-patched) CpuPlatform registers its kernel overrides and the
       scenarios run through them.
 
@@ -28,11 +30,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from support.overlay import load_overlay_module
+from tests.support.overlay import load_overlay_module
 
-REPO = Path(__file__).resolve().parents[1]
 IMPL_REL = "vllm/v1/attention/ops/torch_metadata_kernels.py"
-DEFAULT_ORACLE_DIR = REPO / ".cache/triton-oracle"
 
 # Family of each scenario output (the kernel whose launch writes it).
 KERNELS = (
@@ -326,10 +326,12 @@ def load_impl():
     return load_overlay_module(IMPL_REL)
 
 
-def _install_interpreter(oracle_dir: Path) -> None:
+def _install_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(oracle_dir))
-    from triton.backends import Backend, backends
+    try:
+        from triton.backends import Backend, backends
+    except ImportError as exc:
+        raise SystemExit(f"oracle: no Triton importable ({exc}): run with PYTHONPATH=ORACLE_DIR")
 
     class _ActiveCpuDriver:  # lets vLLM's HAS_TRITON check accept the interpreter
         @staticmethod
@@ -353,11 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["oracle", "overlay"])
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--oracle-dir", type=Path, default=DEFAULT_ORACLE_DIR)
     a = p.parse_args(argv)
     report: dict = {"mode": a.mode}
     if a.mode == "oracle":
-        _install_interpreter(a.oracle_dir)
+        _install_interpreter()
         from vllm.triton_utils import HAS_TRITON
 
         assert HAS_TRITON, "the Triton interpreter was not accepted by vLLM"

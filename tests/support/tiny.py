@@ -1,14 +1,15 @@
-"""Helpers shared by the DSpark tests: a standalone draft model and reference pieces."""
+"""The tiny checkpoints, and a DSpark draft and proposer built from them without an engine."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from support.net import free_port
+from scripts.tiny import ensure as tiny
+from tests.support.net import free_port
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
+TINY_MODEL = tiny.TINY_MODEL
 
 
 def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = None) -> Path:
@@ -16,32 +17,20 @@ def ensure_tiny_model(path: Path = TINY_MODEL, compress_ratios: str | None = Non
 
     The default checkpoint (the demo's) also gets its trained draft, once per machine.
     """
-    import subprocess
-    import sys
-
-    if not (path / "config.json").exists():
-        extra = [] if compress_ratios is None else ["--compress-ratios", compress_ratios]
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tiny_model.py"),
-                "--dspark",
-                "--quiet",
-                "--force",
-                "--out",
-                str(path),
-                *extra,
-            ],
-            check=True,
-        )
-    if path == TINY_MODEL:
-        train = [sys.executable, str(REPO / "scripts" / "train_tiny_draft.py"), "--quiet"]
-        subprocess.run([*train, "--model", str(path)], check=True)
-    return path
+    return tiny.ensure_tiny_model(path, train=path == TINY_MODEL, compress_ratios=compress_ratios)
 
 
-def run_engine_script(script: str, out: Path, *args: str, timeout: float) -> dict:
-    """Run an in-process vLLM script (``script --out OUT ARGS``) on CPU; its JSON report.
+def generate_tiny_model(out: Path, *args: str) -> Path:
+    """A tiny checkpoint generated in this process (``make_tiny_model`` OPTIONS) at ``out``."""
+    from scripts.tiny import make_tiny_model
+
+    assert make_tiny_model.main(["--out", str(out), "--quiet", *args]) == 0
+    return out
+
+
+def run_engine_script(module: str, out: Path, *args: str, timeout: float) -> dict:
+    """Run an in-process vLLM program (``python -m module --out OUT ARGS``, from the repo
+    root) on CPU; its JSON report.
 
     A failure fails the calling test with the script's stderr tail.
     """
@@ -52,12 +41,11 @@ def run_engine_script(script: str, out: Path, *args: str, timeout: float) -> dic
     import pytest
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), str(REPO / "tests")])}
-    proc = subprocess.run([sys.executable, script, "--out", str(out), *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-m", module, "--out", str(out), *args], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        pytest.fail(f"{Path(script).name} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+        pytest.fail(f"{module} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
@@ -68,25 +56,8 @@ REAL_FORMAT_TWIN = REPO / "models" / "tiny-dsv4-dspark-real-twin"
 def ensure_real_format_models() -> tuple[Path, Path]:
     """The tiny checkpoint in the published FP8/MXFP4 format and its exact bf16 twin."""
     if not all((m / "config.json").exists() for m in (REAL_FORMAT_MODEL, REAL_FORMAT_TWIN)):
-        import subprocess
-        import sys
-
-        subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "scripts" / "make_tiny_model.py"),
-                "--dspark",
-                "--format",
-                "real",
-                "--quiet",
-                "--force",
-                "--out",
-                str(REAL_FORMAT_MODEL),
-                "--bf16-twin",
-                str(REAL_FORMAT_TWIN),
-            ],
-            check=True,
-        )
+        tiny.run_tool("make_tiny_model", "--dspark", "--format", "real", "--quiet", "--force",
+                      "--out", str(REAL_FORMAT_MODEL), "--bf16-twin", str(REAL_FORMAT_TWIN))
     return REAL_FORMAT_MODEL, REAL_FORMAT_TWIN
 
 

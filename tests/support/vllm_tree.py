@@ -1,5 +1,8 @@
-"""A private, overlay-applied copy of the venv's vLLM for subprocess tests.
+"""Copies of the venv's vLLM for tests: pristine ``.py`` trees for the apply tool, and
+private overlay-applied trees for subprocess tests.
 
+``copy_py_tree(src, dst)`` hard-links the ``.py`` files (and overlay state) of ``src/vllm``,
+``tree_digest`` fingerprints a tree (the apply tool's tests compare before and after).
 ``pristine_vllm_tree(dst)`` lays out ``dst/vllm`` from the installed package (shared
 libraries symlinked, the rest copied) without any overlay, and ``apply_overlay(dst)`` /
 ``revert_overlay(dst)`` run scripts/apply_overlay.sh on it. A subprocess with
@@ -9,15 +12,66 @@ never touched.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO, VENV_PY
+
 APPLY = REPO / "scripts/apply_overlay.sh"
 MARKER = "vllm/.dspark_overlay.json"
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Path -> sha256 (or link target, or mode for dirs) for every entry under root."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            out[rel] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[rel] = f"dir:{path.stat().st_mode & 0o777:o}"
+    return out
+
+
+def installed_vllm_root() -> Path:
+    """The site-packages folder holding the venv's ``vllm`` (asked of the venv's Python)."""
+    out = subprocess.run(
+        [
+            str(VENV_PY),
+            "-c",
+            "import importlib.util as u, os; "
+            "print(os.path.dirname(os.path.dirname(u.find_spec('vllm').origin)))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def copy_py_tree(src: Path, dst: Path) -> None:
+    """Copy vllm/*.py plus overlay state, hard-linked (the apply tool never writes in place)."""
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        keep = set()
+        for name in names:
+            full = Path(folder) / name
+            if (
+                full.is_dir()
+                and name != "__pycache__"
+                or name.endswith(".py")
+                or name == ".dspark_overlay.json"
+            ):
+                keep.add(name)
+        return set(names) - keep
+
+    shutil.copytree(src / "vllm", dst / "vllm", ignore=ignore, copy_function=os.link)
 
 
 def installed_vllm_dir() -> Path:
@@ -86,15 +140,15 @@ def revert_overlay(target: Path) -> str:
 
 
 def subprocess_env(tree: Path | None) -> dict[str, str]:
-    """Environment for a vLLM subprocess that imports the vLLM under ``tree``."""
+    """Environment for a vLLM subprocess that imports the vLLM under ``tree`` (or, for the
+    kernel oracle, the stock Triton under it); start it with ``cwd=REPO`` and ``-m``."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("TRITON_INTERPRET", "PYTHONPATH") and not k.startswith("PYTEST_")
     }
-    # scripts/ for the overlay loader (tests/support/overlay.py); `tree` first when given
-    trees = [str(tree)] if tree is not None else []
-    env["PYTHONPATH"] = os.pathsep.join([*trees, str(REPO / "scripts")])
+    if tree is not None:  # which vLLM (or Triton) the child imports: a folder, not code
+        env["PYTHONPATH"] = str(tree)
     env.update(
         HF_HUB_OFFLINE="1",
         VLLM_CPU_KVCACHE_SPACE="1",

@@ -25,13 +25,14 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import apply_overlay
 import pytest
 import yaml
-from conftest import REPO, VENV_PY, tree_digest
+
+from scripts import apply_overlay
+from tests.support.paths import REPO, VENV_PY
+from tests.support.vllm_tree import tree_digest
 
 TOOL = REPO / "scripts" / "apply_overlay.sh"
-OVERLAY_TOOL = REPO / "tests" / "support" / "overlay_tool.py"
 MANIFEST = yaml.safe_load((REPO / "overlay" / "manifest.yaml").read_text())
 
 
@@ -42,13 +43,13 @@ def run_tool(
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the tool: as users do, or on a synthetic ``overlay`` tree and/or SIGKILLed at the
-    ``kill_at`` step boundary (number or label) through ``support/overlay_tool.py``."""
+    ``kill_at`` step boundary (number or label) through ``tests/support/overlay_tool.py``."""
     env = dict(os.environ if env is None else env)
     if overlay is None and kill_at is None:
         return subprocess.run([str(TOOL), *args], capture_output=True, text=True, env=env)
-    env["PYTHONPATH"] = str(REPO / "scripts")
-    cmd = [sys.executable, str(OVERLAY_TOOL), str(overlay or "-"), str(kill_at or "-"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+    cmd = [sys.executable, "-m", "tests.support.overlay_tool", str(overlay or "-"),
+           str(kill_at or "-"), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
 
 
 def rewrite(path: Path, text: str) -> None:

@@ -8,9 +8,9 @@ difference (a serving knob changed in one profile and not in the other) fails.
 from __future__ import annotations
 
 import yaml
-from conftest import REPO
 
-import recipe
+from scripts import recipe
+from tests.support.paths import REPO
 
 # key -> why it may differ between the Sparks and their CPU twin
 DEVICE_BOUND = {

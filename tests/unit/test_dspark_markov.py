@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.overlay import load_overlay_module
+
+from tests.support.overlay import load_overlay_module
 
 markov_block_sample = load_overlay_module(
     "vllm/models/deepseek_v4/common/dspark_markov.py"

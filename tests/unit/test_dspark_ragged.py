@@ -12,7 +12,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.overlay import load_overlay_module
+
+from tests.support.overlay import load_overlay_module
 
 dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")
 

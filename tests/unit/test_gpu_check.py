@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py --device cpu``: the pure-torch step runs with torch alone.
+"""``scripts/dev/gpu_check.py --device cpu``: the pure-torch step runs with torch alone.
 
 The script loads the overlay's pure-torch modules from ``overlay/`` and must never import
 the ``vllm`` package (GPU boxes that run it have torch only). On CPU the CUDA-only checks
@@ -11,12 +11,11 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO, SCRIPTS
+from tests.support.paths import REPO
 
 RUN = """
 import sys
-sys.path.insert(0, {scripts!r})
-import gpu_check
+from scripts.dev import gpu_check
 assert "vllm" not in sys.modules, "gpu_check imported the vllm package"
 sys.exit(gpu_check.main(["--device", "cpu", "--out", {out!r}]))
 """
@@ -24,7 +23,7 @@ sys.exit(gpu_check.main(["--device", "cpu", "--out", {out!r}]))
 
 def test_gpu_check_on_cpu_passes_without_vllm(tmp_path):
     out = tmp_path / "gpu_check.json"
-    code = RUN.format(scripts=str(SCRIPTS), out=str(out))
+    code = RUN.format(out=str(out))
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
     )

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_check import reference_store
-from support.net import free_port
-from support.overlay import load_overlay_module
+
+from scripts.dev.gpu_check import reference_store
+from tests.support.net import free_port
+from tests.support.overlay import load_overlay_module
 
 pp = load_overlay_module("vllm/models/deepseek_v4/common/packed_prefill.py")
 dr = load_overlay_module("vllm/v1/spec_decode/dspark_ragged.py")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
 
-import recipe
+from scripts import recipe
+from tests.support.paths import REPO
 
 BOUNDS = [  # (key, lowest allowed, below it, highest allowed, above it)
     ("parallel.nnodes", 1, 0, 8, 9),
@@ -82,7 +82,8 @@ def test_cuda_flags_follow_the_profile_and_stay_off_cpu():
 
 def test_check_cache_requires_a_cache_dir():
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts/recipe.py"), "check-cache", "spark-2x"],
+        [sys.executable, "-m", "scripts.recipe", "check-cache", "spark-2x"],
+        cwd=REPO,
         capture_output=True,
         text=True,
     )
@@ -125,7 +126,7 @@ def test_missing_top_level_key_is_reported_and_env_section_is_optional():
 
 def test_recipe_without_a_subcommand_is_a_usage_error():
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts/recipe.py")], capture_output=True, text=True
+        [sys.executable, "-m", "scripts.recipe"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 2 and "required: cmd" in result.stderr
 
@@ -245,7 +246,7 @@ def test_help_starts_with_what_the_tool_does(capsys):
 @pytest.fixture
 def report_to_stdout(monkeypatch):
     """Report's default stream is the sys.stdout of its import; print to the captured one."""
-    from node import report
+    from scripts.node import report
 
     real = report.Report
     monkeypatch.setattr(report, "Report", lambda: real(sys.stdout))
@@ -262,7 +263,7 @@ def report_to_stdout(monkeypatch):
 def test_check_env_checks_the_mode_asked_for_and_names_the_role(
     monkeypatch, capsys, report_to_stdout, flags, node_rank, mode, shown
 ):
-    from node import env as node_env
+    from scripts.node import env as node_env
 
     seen = []
     monkeypatch.setattr(node_env, "check", lambda env, m, n, report: seen.append((m, n)) or True)
@@ -273,7 +274,7 @@ def test_check_env_checks_the_mode_asked_for_and_names_the_role(
 
 
 def test_check_env_defaults_to_the_two_spark_profile(monkeypatch, report_to_stdout):
-    from node import env as node_env
+    from scripts.node import env as node_env
 
     seen = []
     monkeypatch.setattr(node_env, "check", lambda env, m, n, report: seen.append(n) or True)
@@ -298,7 +299,7 @@ def test_env_file_prints_exports_for_unset_keys_and_nothing_for_a_missing_file(
 
 def test_check_cache_defaults_to_the_image_user(monkeypatch, tmp_path):
     """The default container uid is the one the Spark image runs as (docker/Dockerfile)."""
-    from node import cache as node_cache
+    from scripts.node import cache as node_cache
 
     user = next(line for line in (REPO / "docker/Dockerfile").read_text().splitlines()
                 if line.startswith("USER "))

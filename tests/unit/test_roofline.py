@@ -12,10 +12,11 @@ import re
 import struct
 
 import pytest
-from conftest import REPO
-from dspark_support import ensure_tiny_model
 
-from scripts import recipe, roofline
+from scripts import recipe
+from scripts.bench import roofline
+from tests.support.paths import REPO
+from tests.support.tiny import ensure_tiny_model
 
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "I32": 4, "I64": 8}
 # TP-sharded (column/row-parallel) tensors; everything else is replicated on every GPU.

@@ -1,4 +1,4 @@
-"""scripts/make_tiny_model.py: a tiny DeepSeek-V4 (+DSpark) checkpoint in DeepSeek's layout."""
+"""scripts/tiny/make_tiny_model.py: a tiny DeepSeek-V4 (+DSpark) checkpoint in DeepSeek's layout."""
 
 from __future__ import annotations
 
@@ -8,19 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dsv4_overlay_tree as tree
-import make_tiny_model as mtm
 import pytest
 import torch
 from safetensors import safe_open
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts/make_tiny_model.py"
+from scripts.tiny import make_tiny_model as mtm
+from tests.support.paths import REPO
+from tests.support.tiny import generate_tiny_model
 
 
 def make(out: Path, *args: str) -> Path:
-    assert mtm.main(["--out", str(out), "--quiet", *args]) == 0
-    return out
+    return generate_tiny_model(out, *args)
 
 
 def tensors(model: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -250,7 +248,8 @@ def test_cli_prints_progress(tmp_path):
     res = subprocess.run(
         [
             sys.executable,
-            str(SCRIPT),
+            "-m",
+            "scripts.tiny.make_tiny_model",
             "--out",
             str(tmp_path / "m"),
             "--layers",
@@ -258,77 +257,10 @@ def test_cli_prints_progress(tmp_path):
             "--compress-ratios",
             "0",
         ],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert res.returncode == 0, res.stderr
     assert "[1/3] training tokenizer" in res.stdout and "wrote" in res.stdout
-
-
-_LOAD_CHECK = r"""
-import json, sys, tempfile
-from pathlib import Path
-import vllm.v1.worker.cpu.shm  # noqa: F401  (the CPU worker's torch.cuda.Event stand-ins)
-from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.model_loader.utils import initialize_model
-from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-
-model = Path(sys.argv[1])
-cfg = EngineArgs(model=str(model), dtype="bfloat16", enforce_eager=True, max_model_len=512,
-                 max_num_batched_tokens=512).create_engine_config()
-with set_current_vllm_config(cfg):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"file://{tempfile.mktemp()}")
-    initialize_model_parallel(1, 1)
-    m = initialize_model(vllm_config=cfg)
-    files = [str(model / "model.safetensors")]
-    loaded = set(m.load_weights(safetensors_weights_iterator(files, False)))
-    params = {n for n, _ in m.named_parameters()}
-print(json.dumps({"type": type(m).__name__, "missing": sorted(params - loaded),
-                  "unknown": sorted(loaded - params)}))
-"""
-
-
-@pytest.mark.e2e
-def test_checkpoint_loads_into_vllms_deepseek_v4_model(dspark):
-    """Every parameter of vLLM's CPU DeepseekV4ForCausalLM is loaded from the checkpoint
-    (the mtp.* draft stages are skipped by the target model's weight mapper)."""
-    res = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _LOAD_CHECK, str(dspark)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=tree.subprocess_env(None),
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report == {"type": "DeepseekV4ForCausalLM", "missing": [], "unknown": []}
-
-
-def test_tokenizer_carries_the_tokens_deepseek_v4s_encoder_and_parser_need(dspark):
-    """Oracle: the marker strings of vLLM's own DeepSeek-V4 encoder and parser. Each is one
-    token, and the DSML tool-call block markers are non-special, so detokenized text keeps them
-    as the parser's text side expects."""
-    from transformers import AutoTokenizer
-    from vllm.parser.deepseek_v4 import deepseek_v4_config
-    from vllm.tokenizers import deepseek_v4_encoding as enc
-
-    tok = AutoTokenizer.from_pretrained(str(dspark))
-    encoder = [enc.bos_token, enc.eos_token, enc.USER_SP_TOKEN, enc.ASSISTANT_SP_TOKEN,
-               enc.LATEST_REMINDER_SP_TOKEN, enc.thinking_start_token, enc.thinking_end_token]
-    parser = set(deepseek_v4_config().token_id_terminals.values())
-    for marker in [*encoder, *sorted(parser)]:
-        ids = tok.encode(marker, add_special_tokens=False)
-        assert len(ids) == 1 and tok.decode(ids) == marker, (marker, ids)
-    for marker in set(mtm.CHAT_TOKENS):
-        ids = tok.encode(f"a{marker}b", add_special_tokens=False)
-        assert tok.decode(ids, skip_special_tokens=True) == f"a{marker}b"
-    assert {m for m in mtm.CHAT_TOKENS if m.startswith("<")} <= parser
-    assert mtm.CHAT_TOKENS[-1] == enc.dsml_token
-    # Inside any other DSML tag the marker is one token.
-    tag = tok.encode(f'<{enc.dsml_token}invoke name="f">', add_special_tokens=False)
-    assert tok.convert_tokens_to_ids(enc.dsml_token) in tag
-    assert len(tok) == json.loads((dspark / "config.json").read_text())["vocab_size"]

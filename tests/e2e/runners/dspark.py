@@ -1,7 +1,7 @@
 """Subprocess driver for the DSpark end-to-end tests: real vLLM (CPU build), V1 runner.
 
-    PYTHONPATH=scripts:tests python tests/dspark_e2e_runner.py dspark --model DIR --out R.json
-    PYTHONPATH=scripts:tests python tests/dspark_e2e_runner.py lossless --model DIR --out R.json \
+    python -m tests.e2e.runners.dspark dspark --model DIR --out R.json
+    python -m tests.e2e.runners.dspark lossless --model DIR --out R.json \
         [--batched-tokens N] [--oracle-env NAME=VALUE ...]
 
 Both modes start the plain target (no speculation) in a child process (``PlainTarget``):
@@ -46,10 +46,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from oracle_drafts import OracleDrafts, external_id
-from plain_target import PlainTarget
-
-import recipe
+from scripts.verify import engine as verify_engine
+from scripts.verify.engine import make_engine
+from scripts.verify.oracle_drafts import OracleDrafts, external_id
+from scripts.verify.plain_target import PlainTarget
 
 MAX_NUM_SEQS = 8
 LOSSLESS = [1, 2, 9, 33, 80, 130, 210, 300]
@@ -81,8 +81,7 @@ def prompts() -> dict[str, list[int]]:
 
 def engine_kwargs(model: str, batched_tokens: int | None, speculative: bool) -> dict:
     """The cpu-tiny profile's demo settings (probabilistic drafting for DSpark)."""
-    kwargs = recipe.engine_args(recipe.load_profile("cpu-tiny"), speculative=speculative, demo=True)
-    kwargs.update(model=model, seed=0)
+    kwargs = verify_engine.engine_kwargs("cpu-tiny", model=model, speculative=speculative, seed=0)
     if batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = batched_tokens
     if speculative:
@@ -92,17 +91,6 @@ def engine_kwargs(model: str, batched_tokens: int | None, speculative: bool) -> 
         }
     assert kwargs["max_num_seqs"] == MAX_NUM_SEQS, "the phases are sized for 8 sequences"
     return kwargs
-
-
-def make_engine(kwargs: dict):
-    """An in-process V1 engine with DSpark and chunked prefill."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-    if not engine.vllm_config.scheduler_config.enable_chunked_prefill:
-        raise RuntimeError("chunked prefill is off: the overlay keeps it on for DeepSeek-V4")
-    return engine
 
 
 def params(max_tokens: int, temperature: float = 0.0, seed: int | None = None):
@@ -300,7 +288,8 @@ def lossy_sampler(sampler, torch, budget: int) -> dict:
 
 def run_dspark(model: str, target: PlainTarget) -> dict:
     import torch
-    from support.dspark_steps import observe_steps
+
+    from tests.support.dspark_steps import observe_steps
 
     all_prompts = prompts()
     engine = make_engine(engine_kwargs(model, None, speculative=True))

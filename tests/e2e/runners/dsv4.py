@@ -1,9 +1,10 @@
 """Greedy generation with a tiny DeepSeek-V4 checkpoint in real vLLM on CPU (one engine).
 
-Run in a subprocess whose PYTHONPATH selects the vLLM tree (overlay applied or not):
+Run from the repo root in a subprocess whose PYTHONPATH selects the vLLM tree (overlay
+applied or not), or holds the stock Triton of the kernel oracle for ``--interpreter``:
 
-  python tests/dsv4_e2e_runner.py MODEL_DIR --out R.json [--lens 1,7,130,300]
-         [--max-tokens 10] [--batched-tokens 64] [--interpreter ORACLE_DIR]
+  python -m tests.e2e.runners.dsv4 MODEL_DIR --out R.json [--lens 1,7,130,300]
+         [--max-tokens 10] [--batched-tokens 64] [--interpreter]
 
 It generates the prompts batched, then each prompt alone, with chunked prefill limited to
 ``--batched-tokens`` so steps mix prefill chunks and decodes, scores both by teacher forcing
@@ -28,7 +29,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from support.greedy_oracle import teacher_force
+from tests.support.greedy_oracle import teacher_force
 
 
 def prompts_for(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -117,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=10)
     p.add_argument("--batched-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--interpreter", type=Path, default=None)
+    p.add_argument("--interpreter", action="store_true",
+                   help="vLLM's Triton kernels in the interpreter (stock Triton on PYTHONPATH)")
     a = p.parse_args(argv)
-    if a.interpreter is not None:
+    if a.interpreter:
         os.environ["TRITON_INTERPRET"] = "1"
-        sys.path.insert(0, str(a.interpreter))
         from triton.backends import Backend, backends
 
         class _ActiveCpuDriver:
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "batched_steps": batched_steps,
         "kernel_calls": calls,
         "torch_kernels": torch_kernels(),
-        "interpreter": a.interpreter is not None,
+        "interpreter": a.interpreter,
         "seconds": {"init": t1 - t0, "generate_batched": t2 - tg, "generate_single": t3 - t2},
         # CPU time of this process (all its threads): less sensitive to other load than wall.
         "cpu_seconds": {"generate_batched": c2 - cg, "generate_single": c3 - c2},

@@ -20,10 +20,10 @@ import random
 import sys
 from pathlib import Path
 
-from dspark_e2e_runner import drive, engine_kwargs, make_engine
-from oracle_drafts import external_id
-from plain_target import PlainTarget
-from support import grammar_oracle as grammar
+from scripts.verify.oracle_drafts import external_id
+from scripts.verify.plain_target import PlainTarget
+from tests.e2e.runners.dspark import drive, engine_kwargs, make_engine
+from tests.support import grammar_oracle as grammar
 
 KINDS = {"J0": "json", "R0": "regex", "J1": "json"}
 PROMPT_LENS = {"J0": 40, "R0": 90, "J1": 150}

@@ -1,6 +1,6 @@
 """Subprocess driver for test_mixed_sampling_e2e: greedy and sampled requests in the same steps.
 
-    python tests/support/mixed_sampling_runner.py --method ngram --model DIR --out OUT.json
+    python -m tests.e2e.runners.mixed_sampling --method ngram --model DIR --out OUT.json
 
 One process, two engines, in this order: the speculative engine (``--method``: DSpark with
 greedy or probabilistic drafting, the latter also with async scheduling, or vLLM's ngram)
@@ -27,12 +27,9 @@ import argparse
 import gc
 import json
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from support.greedy_oracle import teacher_force  # noqa: E402
+from tests.support.greedy_oracle import teacher_force
 
 CHUNK = 64
 MAX_NUM_SEQS = 8

@@ -1,6 +1,6 @@
 """Subprocess driver for the DSpark + prefix caching end-to-end test (real vLLM on CPU).
 
-    PYTHONPATH=scripts:tests python tests/dspark_prefix_cache_runner.py --model DIR --out R.json
+    python -m tests.e2e.runners.prefix_cache --model DIR --out R.json
 
 One DSpark engine with prefix caching on (as ``spark-2x`` serves), the cpu-tiny profile's
 demo settings otherwise (64-token chunked prefill), beside the plain target in a child
@@ -29,9 +29,9 @@ import random
 import sys
 from pathlib import Path
 
-from dspark_e2e_runner import engine_kwargs, make_engine, params, score
-from oracle_drafts import OracleDrafts, external_id
-from plain_target import PlainTarget
+from scripts.verify.oracle_drafts import OracleDrafts, external_id
+from scripts.verify.plain_target import PlainTarget
+from tests.e2e.runners.dspark import engine_kwargs, make_engine, params, score
 
 # Hits align to the largest KV group block span (256 tokens with C4A layers, block 64), and
 # DSpark, like EAGLE, drops the last matched block (vLLM recomputes it for the draft): a
@@ -146,7 +146,7 @@ def run_wave(engine, all_prompts, ids, max_tokens):
 
 
 def run(model: str, target: PlainTarget) -> dict:
-    from support.dspark_steps import observe_steps
+    from tests.support.dspark_steps import observe_steps
 
     all_prompts = prompts()
     kwargs = engine_kwargs(model, None, speculative=True)

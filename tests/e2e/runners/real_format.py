@@ -1,6 +1,6 @@
 """Subprocess driver of the real-checkpoint-format end-to-end test (real vLLM, CPU, V1).
 
-    PYTHONPATH=scripts:tests python tests/real_format_e2e_runner.py --model REAL --twin TWIN \
+    python -m tests.e2e.runners.real_format --model REAL --twin TWIN \
         --out R.json
 
 ``REAL`` is the tiny checkpoint in the published FP8 block + MXFP4 format, ``TWIN`` its exact
@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from dspark_e2e_runner import engine_kwargs, lossless_phase, make_engine, prompts
-from plain_target import PlainTarget
+from scripts.verify.plain_target import PlainTarget
+from tests.e2e.runners.dspark import engine_kwargs, lossless_phase, make_engine, prompts
 
 
 def kernels(model) -> dict[str, list[str]]:
