@@ -409,7 +409,7 @@ def pin_check_script() -> str:
     start = text.index('RUN arch="$(uname -m)"')
     end = text.index('exit "$bad"', start) + len('exit "$bad"')
     body = text[start + len("RUN "):end].replace("\\\n", " ")
-    return body.replace("cd /opt/dspark &&", f"cd {REPO} &&")
+    return body.replace("PYTHONPATH=/opt/dspark ", f"PYTHONPATH={REPO} ")
 
 
 @pytest.mark.parametrize("override, message", [
