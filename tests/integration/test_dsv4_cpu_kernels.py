@@ -203,26 +203,8 @@ def test_every_registered_kernel_has_an_impl_with_the_grid_first():
 def oracle_report(tmp_path_factory):
     if not (ORACLE_DIR / "triton" / "__init__.py").is_file():
         pytest.skip(f"Triton oracle not installed in {ORACLE_DIR}; run: {ORACLE_INSTALL}")
-    out = tmp_path_factory.mktemp("oracle") / "report.json"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "ignore",
-            "-m",
-            cases.__name__,
-            "oracle",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env=tree.subprocess_env(ORACLE_DIR),
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(out.read_text())
+    # the oracle's stock Triton is the folder on the child's path (never the product venv)
+    report = _run_cases("oracle", ORACLE_DIR, tmp_path_factory.mktemp("oracle") / "report.json")
     print(f"\noracle timings: {report['seconds']}")
     return report
 
@@ -246,12 +228,17 @@ def test_oracle_covers_every_kernel(oracle_report):
 
 
 def _run_overlay_mode(target: Path, out: Path) -> dict:
+    return _run_cases("overlay", target, out)
+
+
+def _run_cases(mode: str, path: Path | None, out: Path) -> dict:
+    """The kernel cases in ``mode`` in a child importing from ``path`` first; its report."""
     res = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", cases.__name__, "overlay", "--out", str(out)],
+        [sys.executable, "-W", "ignore", "-m", cases.__name__, mode, "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        env=tree.subprocess_env(target),
+        env=tree.subprocess_env(path),
         timeout=900,
     )
     assert res.returncode == 0, res.stderr[-4000:]
