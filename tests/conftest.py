@@ -108,6 +108,15 @@ def sdist_copy(pristine_sdist, tmp_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def dspark(tmp_path_factory) -> Path:
+    """A tiny DSpark checkpoint generated in this process once per session (the generator's
+    tests read it; the checkpoint under models/ is left alone)."""
+    from tests.support.tiny import generate_tiny_model
+
+    return generate_tiny_model(tmp_path_factory.mktemp("m") / "tiny-dspark", "--dspark")
+
+
+@pytest.fixture(scope="session")
 def cpu_tiny_server(tmp_path_factory):
     """The real cpu-tiny server (python -m scripts.serve), started once for every serving test."""
     from tests.support.cpu_server import start_cpu_tiny_server

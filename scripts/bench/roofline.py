@@ -1,6 +1,6 @@
 """Memory roofline of DeepSeek-V4 + DSpark decoding: the bytes one step reads per GPU and the
 tokens/s a box's bandwidth allows at an acceptance length (an upper bound: compute,
-communication and launch overheads are left out). `python -m scripts.roofline --help`.
+communication and launch overheads are left out). `python -m scripts.bench.roofline --help`.
 
 A step reads every dense weight once (TP-sharded ones 1/TP per GPU), each routed expert its
 rows pick once, and each request's KV. A DSpark step's verify rows may all pick a request's
@@ -196,7 +196,7 @@ def table(m: Model, bandwidth_gbs: float, concurrency: list[int], context: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.roofline", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m scripts.bench.roofline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="spark-2x", help="recipe profile (default: %(default)s)")
     ap.add_argument("--config", type=Path, help="the checkpoint's config.json (default: the "

@@ -6,7 +6,7 @@ carry no gradients. Training needs the same function with autograd, so this modu
 computes it again in fp32 torch from the checkpoint's own ``mtp.*`` tensors: the
 arithmetic follows the overlay step by step, and the pure-torch pieces that have no
 weights (RoPE tables, the FP8 round trip of the latent KV, the block key mask, the
-weightless RMSNorm) are the overlay's own functions. ``tests/test_draft_twin.py`` checks
+weightless RMSNorm) are the overlay's own functions. ``tests/integration/test_draft_twin.py`` checks
 the twin against the overlay's draft on the same weights, so trained weights mean the
 same thing in vLLM.
 

@@ -1,6 +1,6 @@
 """DSpark end to end in real vLLM on CPU (V1 runner, overlay applied).
 
-``dspark_e2e_runner.py`` runs one DSpark engine through five phases (lossless, scripted
+``tests/e2e/runners/dspark.py`` runs one DSpark engine through five phases (lossless, scripted
 acceptance + KV windows, churn, sampled, lossy) beside the plain target in a child process,
 all with chunked prefill at the cpu-tiny profile's demo budget (64 tokens) so steps mix
 prefill chunks and verify rows. Losslessness is judged by the greedy oracle (teacher

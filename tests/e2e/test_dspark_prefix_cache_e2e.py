@@ -1,6 +1,6 @@
 """DSpark with prefix caching in real vLLM on CPU (V1 runner, overlay applied).
 
-``spark-2x`` serves with prefix caching on. ``dspark_prefix_cache_runner.py`` runs waves of
+``spark-2x`` serves with prefix caching on. ``tests/e2e/runners/prefix_cache.py`` runs waves of
 greedy requests sharing long prefixes, a second wave hitting the cache mixed with fresh
 prompts, and a window-sensitive oracle-draft wave measuring what the draft's masked window
 holes cost after a hit. Losslessness is judged by teacher forcing with the plain target

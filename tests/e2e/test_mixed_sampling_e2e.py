@@ -1,6 +1,6 @@
 """Greedy requests beside sampled ones under speculation, in real vLLM on CPU (issue 19).
 
-One subprocess per speculative method (``support/mixed_sampling_runner.py``): DSpark with
+One subprocess per speculative method (``tests/e2e/runners/mixed_sampling.py``): DSpark with
 greedy and with probabilistic drafting (also under vLLM's async scheduler, as the Sparks run
 it), and vLLM's own ngram method. Rounds mix greedy and
 sampled requests in different proportions and prompt lengths under 64-token chunked prefill;

@@ -6,19 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.support import vllm_tree as tree
 from tests.support.paths import REPO
-from tests.support.tiny import generate_tiny_model
-
-
-@pytest.fixture(scope="module")
-def dspark(tmp_path_factory) -> Path:
-    return generate_tiny_model(tmp_path_factory.mktemp("m") / "tiny-dspark", "--dspark")
-
 
 _LOAD_CHECK = r"""
 import json, sys, tempfile

@@ -4,17 +4,8 @@ encoder and parser need (vLLM imported, no engine)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
-import pytest
 
 from scripts.tiny import make_tiny_model as mtm
-from tests.support.tiny import generate_tiny_model
-
-
-@pytest.fixture(scope="module")
-def dspark(tmp_path_factory) -> Path:
-    return generate_tiny_model(tmp_path_factory.mktemp("m") / "tiny-dspark", "--dspark")
 
 
 def test_tokenizer_carries_the_tokens_deepseek_v4s_encoder_and_parser_need(dspark):

@@ -35,11 +35,6 @@ def base(tmp_path_factory) -> Path:
     return make(tmp_path_factory.mktemp("m") / "tiny")
 
 
-@pytest.fixture(scope="module")
-def dspark(tmp_path_factory) -> Path:
-    return make(tmp_path_factory.mktemp("m") / "tiny-dspark", "--dspark")
-
-
 def test_config_uses_deepseek_fields_and_cpu_kernel_sizes(base):
     cfg = json.loads((base / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV4ForCausalLM"]
