@@ -21,7 +21,7 @@ STAMP_DEPS := $(VENV)/.stamp-deps
 STAMP_OVERLAY := $(VENV)/.stamp-overlay
 OVERLAY_FILES := $(shell find overlay -type f ! -name '*.pyc' 2>/dev/null)
 # Test-only oracle for the torch metadata kernels: stock triton, kept OUT of the product venv
-# (vLLM would pick it up), added to sys.path only by the oracle tests.
+# (vLLM would pick it up), put on PYTHONPATH only for the oracle tests' subprocesses.
 TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
@@ -35,21 +35,21 @@ help: ## this list
 setup: $(STAMP_OVERLAY) ## create .venv (pinned vllm-cpu + torch + dev tools) and apply the overlay
 
 # .venv's interpreter: PYTHON when given (environment or command line), else the first of
-# these whose version is in recipe/pins.yaml's python range (scripts/find_python.sh).
+# these whose version is in recipe/pins.yaml's python range (scripts/setup/find_python.sh).
 VENV_PYTHON_CANDIDATES := $(if $(filter environment% command%,$(origin PYTHON)),$(PYTHON),\
   python3.11 python3.12 python3.13 python3.14 python3)
 
 $(PY):
-	py="$$(scripts/find_python.sh $(VENV_PYTHON_CANDIDATES))" && \
+	py="$$(scripts/setup/find_python.sh $(VENV_PYTHON_CANDIDATES))" && \
 	  "$$py" -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip || { rm -rf $(VENV); exit 1; }
 
 # Pins come from recipe/pins.yaml, never written here. install_deps.py takes the `+cpu`
 # torch from a local wheel if there is one, else from cpu.torch_index (TORCH_INDEX_URL).
-$(STAMP_DEPS): recipe/pins.yaml pyproject.toml scripts/install_deps.py | $(PY)
+$(STAMP_DEPS): recipe/pins.yaml pyproject.toml scripts/setup/install_deps.py | $(PY)
 	@echo ">> installing pinned packages into $(VENV) (first run: a few minutes)"
 	$(PY) -m pip install -q pyyaml
 	@if [ -f $(STAMP_OVERLAY) ]; then scripts/apply_overlay.sh --python $(PY) --revert; rm -f $(STAMP_OVERLAY); fi
-	$(PY) scripts/install_deps.py
+	$(PY) -m scripts.setup.install_deps
 	$(PY) -m pip install -q $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['dev']))")
 	touch $@
 
@@ -62,28 +62,28 @@ $(TRITON_ORACLE)/.stamp: recipe/pins.yaml | $(PY)
 	touch $@
 
 model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/, train its draft (once)
-	@[ -f $(TINY_MODEL)/config.json ] || $(PY) scripts/make_tiny_model.py --dspark --out $(TINY_MODEL)
-	@$(VLLM_CPU_ENV) $(PY) scripts/train_tiny_draft.py --model $(TINY_MODEL)
+	@[ -f $(TINY_MODEL)/config.json ] || $(PY) -m scripts.tiny.make_tiny_model --dspark --out $(TINY_MODEL)
+	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.train_tiny_draft --model $(TINY_MODEL)
 
 demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
-	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) scripts/demo.py --model $(TINY_MODEL)
+	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m scripts.demo --model $(TINY_MODEL)
 
 serve: setup model ## `vllm serve` with the cpu-tiny profile's arguments (Ctrl-C stops)
-	$(VLLM_CPU_ENV) $(PY) scripts/serve.py --profile $(PROFILE)
+	$(VLLM_CPU_ENV) $(PY) -m scripts.serve --profile $(PROFILE)
 
 test: setup model $(TRITON_ORACLE)/.stamp ## set up (tiny checkpoint and its trained draft included), then run the whole test suite (CPU)
 	$(VLLM_CPU_ENV) $(PY) -m pytest
 
-test-fast: setup model ## the suite without the real-vLLM end-to-end tests
-	$(PY) -m pytest -m "not e2e"
+test-fast: setup model ## the unit and integration tiers (no engine, no server; tests/README.md)
+	$(VLLM_CPU_ENV) $(PY) -m pytest tests/unit tests/integration
 
 mutation: setup ## mutation testing of the core modules (~20 min, not in `make test`): score per module, survivors; MODULES="a b" for some
-	$(PY) scripts/mutation.py $(foreach m,$(MODULES),--module $(m))
+	$(PY) -m scripts.dev.mutation $(foreach m,$(MODULES),--module $(m))
 
 bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep on `vllm bench serve`
-	$(PY) scripts/bench_ragged.py
-	$(PY) scripts/bench_packed_prefill.py
-	@port=$$($(PY) scripts/recipe.py render $(PROFILE) --as env | sed -n 's/^API_PORT=//p'); \
+	$(PY) -m scripts.bench.ragged
+	$(PY) -m scripts.bench.packed_prefill
+	@port=$$($(PY) -m scripts.recipe render $(PROFILE) --as env | sed -n 's/^API_PORT=//p'); \
 	if curl -sf "http://127.0.0.1:$$port/health" >/dev/null; then \
 	  $(VLLM_CPU_ENV) $(PY) -m scripts.bench --profile $(PROFILE) $(BENCH_ARGS); \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
@@ -94,7 +94,7 @@ ab: setup ## the serving sweep against two server configurations started one aft
 lint: setup ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check scripts tests overlay
 	$(VENV)/bin/hadolint docker/Dockerfile
-	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh scripts/find_python.sh docker/entrypoint.sh
+	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/apply_overlay.sh scripts/setup/find_python.sh docker/entrypoint.sh
 
 apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (linked; OVERLAY_MODE= copies)
 	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)
@@ -119,7 +119,7 @@ DSPARK_IMAGE ?= $(or $(shell sed -n 's/^DSPARK_IMAGE=//p' $(SPARK_ENV) 2>/dev/nu
 OVERLAY_VERSION = $(shell sed -n 's/^overlay_version:[[:space:]]*//p' overlay/manifest.yaml | tr -d "\"' ")
 
 image: ## build the Spark image on this node (aarch64, CUDA 13, sm_121; pins from recipe/)
-	eval "$$($(PYTHON) scripts/recipe.py pins --as env)" && \
+	eval "$$($(PYTHON) -m scripts.recipe pins --as env)" && \
 	  DOCKER_BUILDKIT=1 docker build -f docker/Dockerfile -t $(DSPARK_IMAGE) \
 	    --build-arg BASE_IMAGE="$$BASE_IMAGE" --build-arg BASE_TAG="$$BASE_TAG" \
 	    --build-arg VLLM_VERSION="$$VLLM_VERSION" --build-arg VLLM_GIT_TAG="$$VLLM_GIT_TAG" \
@@ -142,7 +142,7 @@ logs: ## follow this node's vLLM log
 smoke: ## chat completion + spec-decode counters (+ socket audit): the Spark pair if docker/.env exists, else `make serve`
 	@if [ -f $(SPARK_ENV) ]; then $(COMPOSE) exec -T vllm /opt/dspark/docker/entrypoint.sh smoke && \
 	  scripts/preflight.sh audit --env-file $(SPARK_ENV); \
-	else $(PY) scripts/smoke.py --profile $(PROFILE); fi
+	else $(PY) -m scripts.smoke --profile $(PROFILE); fi
 
 audit: ## after start: fail if an inter-node port of this node's vLLM listens beyond the fabric link
 	scripts/preflight.sh audit --env-file $(SPARK_ENV)

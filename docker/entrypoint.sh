@@ -13,7 +13,7 @@
 #   check-overlay          exit 0 if the installed vLLM carries the overlay marker.
 #   health                 Docker healthcheck: the head's /health answers 200 (the worker
 #                          reports the head's health: it serves nothing by itself).
-#   smoke                  one chat completion + /metrics spec-decode counters (scripts/smoke.py).
+#   smoke                  one chat completion + /metrics spec-decode counters (python -m scripts.smoke).
 #   anything else          exec'd as given (e.g. bash).
 #
 # Environment: PROFILE (recipe profile name or path, default spark-2x), NODE_RANK, MASTER_ADDR,
@@ -28,9 +28,10 @@ DSPARK_HOME="${DSPARK_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 PYTHON="${PYTHON:-python3}"
 VLLM_BIN="${VLLM_BIN:-vllm}"
 PROFILE="${PROFILE:-spark-2x}"
-RECIPE="$DSPARK_HOME/scripts/recipe.py"
 PREFLIGHT="$DSPARK_HOME/scripts/preflight.sh"
-SMOKE="$DSPARK_HOME/scripts/smoke.py"
+# The recipe tool and the smoke check are modules of the scripts package in DSPARK_HOME; the
+# entrypoint runs from any directory, so the package's folder is named for those commands only.
+SCRIPTS_PATH="$DSPARK_HOME${PYTHONPATH:+:$PYTHONPATH}"
 MARKER_NAME=".dspark_overlay.json"
 
 log() { printf '[entrypoint] %s\n' "$*"; }
@@ -90,12 +91,11 @@ require_overlay() {
 # node already sets the variable.
 load_profile() {
     local out line name
-    out=$("$PYTHON" - "$DSPARK_HOME/scripts" "$PROFILE" <<'PY' 2>&1
+    out=$(PYTHONPATH="$SCRIPTS_PATH" "$PYTHON" - "$PROFILE" <<'PY' 2>&1
 import shlex, sys
-sys.path.insert(0, sys.argv[1])
-import recipe
+from scripts import recipe
 try:
-    profile = recipe.load_profile(sys.argv[2])
+    profile = recipe.load_profile(sys.argv[1])
 except recipe.RecipeError as exc:
     print("\n".join(exc.problems))
     sys.exit(2)
@@ -253,7 +253,7 @@ prepare() {
     local -a node_args=()
     if ((nnodes > 1)); then
         local checked problems
-        if ! checked=$("$PYTHON" "$RECIPE" check-env --container --nnodes "$nnodes" 2>&1); then
+        if ! checked=$(PYTHONPATH="$SCRIPTS_PATH" "$PYTHON" -m scripts.recipe check-env --container --nnodes "$nnodes" 2>&1); then
             printf '%s\n' "$checked"
             problems=$(sed -n 's/^FAIL  env  *//p' <<<"$checked" | paste -sd ';' -)
             die "this node's variables are not usable: ${problems//;/; }" "fix them in docker/.env, then make up"
@@ -274,7 +274,7 @@ prepare() {
     export_profile_env
     export_vllm_env
     if [[ -n ${API_HOST:-} ]]; then node_args+=(--api-host "$API_HOST"); fi
-    argv_text=$("$PYTHON" "$RECIPE" render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
+    argv_text=$(PYTHONPATH="$SCRIPTS_PATH" "$PYTHON" -m scripts.recipe render "$PROFILE" --as argv "${node_args[@]}" 2>&1) \
         || die "cannot render the serve command from profile '$PROFILE': ${argv_text//$'\n'/; }"
     mapfile -t CMD <<<"$argv_text"
     CMD=("$VLLM_BIN" serve "${CMD[@]}" "$@")
@@ -409,8 +409,8 @@ main() {
             printf '\n'
             ;;
         check-overlay) require_overlay ;;
-        health) exec "$PYTHON" "$SMOKE" --profile "$PROFILE" --host "$(head_host)" --health "$@" ;;
-        smoke) exec "$PYTHON" "$SMOKE" --profile "$PROFILE" --host "$(head_host)" "$@" ;;
+        health) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.smoke --profile "$PROFILE" --host "$(head_host)" --health "$@" ;;
+        smoke) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.smoke --profile "$PROFILE" --host "$(head_host)" "$@" ;;
         *) exec "$cmd" "$@" ;;
     esac
 }

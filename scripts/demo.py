@@ -13,54 +13,28 @@
    step counts, vLLM's acceptance length and per-position acceptance, and tokens/s with and
    without speculation. Exits 1 only on a real violation.
 
-Usage: python scripts/demo.py [--profile cpu-tiny] [--model DIR] [--max-tokens 32]
+Usage: python -m scripts.demo [--profile cpu-tiny] [--model DIR] [--max-tokens 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from plain_target import ENGINE_ENV_DEFAULTS, PlainTarget
-from teacher_forcing import report
-
-import recipe
+from scripts import recipe
+from scripts.tiny.ensure import ensure_tiny_model
+from scripts.verify.engine import make_engine
+from scripts.verify.plain_target import ENGINE_ENV_DEFAULTS, PlainTarget
+from scripts.verify.prompts import text_prompts
+from scripts.verify.teacher_forcing import report
 
 REPO = Path(__file__).resolve().parent.parent
 
 for key, value in ENGINE_ENV_DEFAULTS.items():  # this process runs an engine too
     os.environ.setdefault(key, value)
-
-_TEXT = (
-    "Speculative decoding drafts a block of tokens with a small model and lets the large "
-    "model verify the whole block in one step. The draft keeps a window of context for "
-    "every request, keyed by the request, so requests may arrive, finish and move around "
-    "the batch without mixing their histories. "
-)
-
-
-def prompts(tokenizer) -> list[list[int]]:
-    """Eight prompts from 1 to ~300 tokens."""
-    ids = tokenizer.encode(_TEXT * 12, add_special_tokens=False)
-    lengths = [1, 4, 11, 27, 64, 130, 201, 300]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [(bos + ids)[:n] for n in lengths]
-
-
-def ensure_model(path: Path) -> Path:
-    """The tiny checkpoint with its trained draft (each step skipped when already done)."""
-    if not (path / "config.json").exists():
-        cmd = [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--dspark"]
-        print(f">> generating the tiny DeepSeek-V4-DSpark checkpoint: {path}")
-        subprocess.run([*cmd, "--out", str(path), "--quiet", "--force"], check=True)
-    train = [sys.executable, str(REPO / "scripts" / "train_tiny_draft.py"), "--model", str(path)]
-    subprocess.run(train, check=True)
-    return path
-
 
 def acceptance(engine) -> dict:
     """vLLM's own speculative-decoding counters: acceptance length, per position."""
@@ -80,22 +54,6 @@ def acceptance(engine) -> dict:
         "length": 1.0 + accepted / drafts if drafts else float("nan"),
         "per_position": [a / drafts for a in per_pos] if drafts else [],
     }
-
-
-def make_engine(engine_kwargs: dict):
-    """An in-process V1 engine with DSpark and the demo's chunked prefill."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(**engine_kwargs, seed=0, disable_log_stats=False)
-    )
-    if not engine.vllm_config.scheduler_config.enable_chunked_prefill:
-        raise SystemExit(
-            "vLLM turned chunked prefill off for DeepSeek-V4 on this CPU; the overlay keeps "
-            "it on: is it applied (make setup)?"
-        )
-    return engine
 
 
 def generate(engine, batch, max_tokens: int) -> tuple[list[list[int]], float, int]:
@@ -141,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_kwargs = recipe.engine_args(profile, demo=True)
     # The plain target runs the same settings: its greedy run is the no-speculation baseline.
     target_kwargs = recipe.engine_args(profile, speculative=False, demo=True)
-    model = ensure_model((args.model or Path(spec_kwargs["model"])).resolve())
+    model = ensure_tiny_model(args.model or Path(spec_kwargs["model"]), quiet=False, announce=">> ")
     spec_kwargs["model"] = target_kwargs["model"] = str(model)
     chunk = spec_kwargs["max_num_batched_tokens"]
     num_spec = spec_kwargs["speculative_config"]["num_speculative_tokens"]
@@ -151,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
     print(">> [1/2] greedy decoding without speculation (plain target, child process)")
     with PlainTarget({**target_kwargs, "seed": 0}) as target:
-        engine = make_engine(spec_kwargs)
+        engine = make_engine({**spec_kwargs, "seed": 0, "disable_log_stats": False})
         tok = engine.get_tokenizer()
-        batch = prompts(tok)
+        batch = text_prompts(tok)
         t0 = time.monotonic()
         reference = target.greedy(batch, args.max_tokens)
         base_seconds = time.monotonic() - t0

@@ -90,7 +90,8 @@ recipe() {
         echo "'$PY' cannot import yaml: install PyYAML (sudo apt install python3-yaml)" >&2
         return 2
     fi
-    "$PY" "$REPO/scripts/recipe.py" "$@"
+    # a module of the scripts package in REPO; named here because preflight runs from any folder
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m scripts.recipe "$@"
 }
 
 # report TEXT: print recipe.py's PASS/WARN/FAIL lines and count them.

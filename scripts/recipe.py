@@ -5,13 +5,13 @@
 `make serve`, the demo) renders its arguments from a profile through this module, so a knob
 is written once and checked once. Usage:
 
-    python scripts/recipe.py validate PROFILE
-    python scripts/recipe.py render PROFILE --as argv|env|compose-env [--node-rank N --master-addr A]
-    python scripts/recipe.py pins --as make|env
-    python scripts/recipe.py env-file FILE           node .env -> `export` lines (never sourced)
-    python scripts/recipe.py check-env [--container] [--nnodes N]   the node variables
-    python scripts/recipe.py check-cache PROFILE --cache-dir DIR     model complete in the cache
-    python scripts/recipe.py audit PROFILE --ss FILE [--pids 1,2]    listening sockets (ss -ltnp)
+    python -m scripts.recipe validate PROFILE
+    python -m scripts.recipe render PROFILE --as argv|env|compose-env [--node-rank N --master-addr A]
+    python -m scripts.recipe pins --as make|env
+    python -m scripts.recipe env-file FILE           node .env -> `export` lines (never sourced)
+    python -m scripts.recipe check-env [--container] [--nnodes N]   the node variables
+    python -m scripts.recipe check-cache PROFILE --cache-dir DIR     model complete in the cache
+    python -m scripts.recipe audit PROFILE --ss FILE [--pids 1,2]    listening sockets (ss -ltnp)
 
 PROFILE is a name from recipe/profiles/ (``spark-2x``) or a path to a YAML file. Bad input
 exits with status 2 and one line per problem, naming the key and what is allowed.
@@ -573,8 +573,8 @@ def _node_command(args: argparse.Namespace) -> int:
     """Node policy (scripts/node/), shared by preflight.sh and the container entrypoint."""
     import os
 
-    from node import audit, cache, env  # run as a file: scripts/ is first on sys.path
-    from node.report import Report
+    from scripts.node import audit, cache, env
+    from scripts.node.report import Report
 
     report = Report()
     if args.cmd == "audit":
@@ -615,7 +615,7 @@ def _pid_set(text: str) -> set[int]:
 
 
 def _api_host(value: str) -> str:
-    from node.api import bind_host
+    from scripts.node.api import bind_host
 
     if problem := bind_host(value):
         raise RecipeError([f"--api-host: {problem}"])

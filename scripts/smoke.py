@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Smoke test of a running DSpark vLLM server: health, one chat completion, spec-decode counters.
 
-    python scripts/smoke.py [--profile spark-2x] [--host H | --base-url URL] [--model NAME]
-    python scripts/smoke.py --health ...      only GET /health (the container healthcheck)
+    python -m scripts.smoke [--profile spark-2x] [--host H | --base-url URL] [--model NAME]
+    python -m scripts.smoke --health ...      only GET /health (the container healthcheck)
 
 The port and served model name come from the recipe profile (scripts/recipe.py), so this
 checks the server the profile describes. It passes when /health is 200, the model is listed,
@@ -23,11 +23,8 @@ import time
 import urllib.error
 import urllib.request
 
-from bench.dspark import dspark_delta, format_dspark
-
-# Run as a file, so this folder is first on sys.path: the bench package and recipe.py
-# are importable by their plain names (bench.prometheus is standard library only).
-from bench.prometheus import dspark_snapshot, spec_decode_counters, spec_decode_delta
+from scripts.bench.dspark import dspark_delta, format_dspark
+from scripts.bench.prometheus import dspark_snapshot, spec_decode_counters, spec_decode_delta
 
 PROMPT = "List the first ten prime numbers, separated by commas."
 
@@ -54,7 +51,7 @@ def request(url: str, payload: dict | None = None, timeout: float = 10.0) -> tup
 
 def profile_target(profile: str) -> tuple[int, str]:
     """(API port, served model name) from the recipe profile."""
-    import recipe  # the recipe tool; needs PyYAML
+    from scripts import recipe  # needs PyYAML
 
     try:
         env = recipe.profile_env(recipe.load_profile(profile))

@@ -1,16 +1,17 @@
-"""Shared fixtures: pristine vLLM 0.32.0 trees to apply the overlay to, and repo paths."""
+"""Shared fixtures: pristine vLLM 0.32.0 trees to apply the overlay to, the cpu-tiny server."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 from hypothesis import Phase, settings
+
+from tests.support.paths import CACHE, SCRIPTS, VENV_PY
+from tests.support.vllm_tree import copy_py_tree, installed_vllm_root
 
 # `make mutation` runs with --hypothesis-profile=mutation: the same examples every run (a stable
 # score), and a failing mutant is reported at once instead of being shrunk for minutes.
@@ -21,59 +22,7 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
-CACHE = REPO / ".cache"
-VENV_PY = REPO / ".venv" / "bin" / "python"
 SDIST_NAME = "vllm-0.32.0"
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    """Path -> sha256 (or link target, or mode for dirs) for every entry under root."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        if path.is_symlink():
-            out[rel] = "link:" + os.readlink(path)
-        elif path.is_file():
-            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-        else:
-            out[rel] = f"dir:{path.stat().st_mode & 0o777:o}"
-    return out
-
-
-def _installed_vllm_root() -> Path:
-    out = subprocess.run(
-        [
-            str(VENV_PY),
-            "-c",
-            "import importlib.util as u, os; "
-            "print(os.path.dirname(os.path.dirname(u.find_spec('vllm').origin)))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip())
-
-
-def _copy_py_tree(src: Path, dst: Path) -> None:
-    """Copy vllm/*.py plus overlay state, hard-linked (the apply tool never writes in place)."""
-
-    def ignore(folder: str, names: list[str]) -> set[str]:
-        keep = set()
-        for name in names:
-            full = Path(folder) / name
-            if (
-                full.is_dir()
-                and name != "__pycache__"
-                or name.endswith(".py")
-                or name == ".dspark_overlay.json"
-            ):
-                keep.add(name)
-        return set(names) - keep
-
-    shutil.copytree(src / "vllm", dst / "vllm", ignore=ignore, copy_function=os.link)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +31,7 @@ def pristine_installed(tmp_path_factory) -> Path:
     if not VENV_PY.exists():
         pytest.skip("no .venv: run `make setup`")
     root = tmp_path_factory.mktemp("installed-pristine")
-    _copy_py_tree(_installed_vllm_root(), root)
+    copy_py_tree(installed_vllm_root(), root)
     if (root / "vllm" / ".dspark_overlay.json").exists():
         subprocess.run(
             [str(SCRIPTS / "apply_overlay.sh"), "--target", str(root), "--revert"],
@@ -147,21 +96,30 @@ def pristine_sdist(tmp_path_factory) -> Path:
 @pytest.fixture
 def installed_copy(pristine_installed, tmp_path) -> Path:
     dst = tmp_path / "site"
-    _copy_py_tree(pristine_installed, dst)
+    copy_py_tree(pristine_installed, dst)
     return dst
 
 
 @pytest.fixture
 def sdist_copy(pristine_sdist, tmp_path) -> Path:
     dst = tmp_path / "src"
-    _copy_py_tree(pristine_sdist, dst)
+    copy_py_tree(pristine_sdist, dst)
     return dst
 
 
 @pytest.fixture(scope="session")
+def dspark(tmp_path_factory) -> Path:
+    """A tiny DSpark checkpoint generated in this process once per session (the generator's
+    tests read it; the checkpoint under models/ is left alone)."""
+    from tests.support.tiny import generate_tiny_model
+
+    return generate_tiny_model(tmp_path_factory.mktemp("m") / "tiny-dspark", "--dspark")
+
+
+@pytest.fixture(scope="session")
 def cpu_tiny_server(tmp_path_factory):
-    """The real cpu-tiny server (scripts/serve.py), started once for every serving test."""
-    from support.cpu_server import start_cpu_tiny_server
+    """The real cpu-tiny server (python -m scripts.serve), started once for every serving test."""
+    from tests.support.cpu_server import start_cpu_tiny_server
 
     with start_cpu_tiny_server(tmp_path_factory.mktemp("serve") / "server.log") as server:
         yield server

@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .. import recipe, roofline
-from . import content
+from .. import recipe
+from . import content, roofline
 from .report import markdown, write_plots
 from .sweep import RESULT_KIND, SweepConfig, provenance, run_sweep, scrape
 

@@ -123,10 +123,10 @@ def local_server(profile_file: Path, port: int, log: Path, timeout_s: float) -> 
     with contextlib.suppress(RuntimeError):  # raised when nothing answers: the port is free
         wait_healthy(base, 0)
         raise ValueError(f"a server already answers on port {port}: stop it (or pass --port)")
-    cmd = [sys.executable, str(recipe.REPO / "scripts" / "serve.py"), "--profile",
+    cmd = [sys.executable, "-m", "scripts.serve", "--profile",
            str(profile_file), "--", "--port", str(port)]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=recipe.REPO,
                                 start_new_session=True, env=dict(os.environ))
     try:
         wait_healthy(base, timeout_s, proc)

@@ -4,7 +4,7 @@
 
 Runs after the two nodes are gone (one engine at a time): the cpu-2x profile's model and
 sizes, one rank, no speculation, no async scheduling, no prefix caching; the verdict is
-``scripts/teacher_forcing.py``'s, the one the demo and the suite use.
+``scripts/verify/teacher_forcing.py``'s, the one the demo and the suite use.
 """
 
 from __future__ import annotations

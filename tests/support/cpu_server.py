@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
-from support.net import free_port
+from tests.support.net import free_port
 
 STARTUP_S = 600
 # The shared server requires this key, as a Spark head does (README "Security").
@@ -56,7 +55,7 @@ def start_cpu_tiny_server(
     if api_key:
         env["VLLM_API_KEY"] = api_key
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # serve.py gives the server a fresh one
-    cmd = [sys.executable, str(REPO / "scripts" / "serve.py"), "--profile", "cpu-tiny"]
+    cmd = [sys.executable, "-m", "scripts.serve", "--profile", "cpu-tiny"]
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [*cmd, "--", "--port", str(port), *SERVER_ARGS],

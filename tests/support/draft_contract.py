@@ -1,6 +1,6 @@
 """The DSpark draft's tensor contract at the published size, on the meta device.
 
-    python tests/support/draft_contract.py --config CONFIG.json --tp N --rank R --port P \
+    python -m tests.support.draft_contract --config CONFIG.json --tp N --rank R --port P \
         --out REPORT.json [--drop NAME] [--rename OLD=NEW]
 
 Builds the overlay's draft from ``CONFIG`` (no weights: every parameter on the meta
@@ -27,9 +27,9 @@ STAGES = 3  # the published checkpoint has no n_mtp_layers key
 
 def checkpoint_tensors(cfg: dict) -> dict:
     """The published ``mtp.*`` tensors for ``cfg`` as meta tensors (names, shapes, dtypes)."""
-    import checkpoint_quant
-    import make_tiny_model
     import torch
+
+    from scripts.tiny import checkpoint_quant, make_tiny_model
 
     class MetaInit(make_tiny_model._Init):
         def __init__(self) -> None:

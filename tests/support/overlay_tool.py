@@ -1,6 +1,6 @@
 """The overlay tool as the crash tests run it: on a synthetic overlay tree, killed at a boundary.
 
-    PYTHONPATH=scripts python tests/support/overlay_tool.py OVERLAY_DIR KILL_AT TOOL_ARGS...
+    python -m tests.support.overlay_tool OVERLAY_DIR KILL_AT TOOL_ARGS...    (repo root)
 
 ``OVERLAY_DIR`` replaces the repository's overlay tree (``-`` keeps it). ``KILL_AT`` is a
 step boundary's number (counted from 1 in this process) or its label, where the process
@@ -16,7 +16,7 @@ import signal
 import sys
 from pathlib import Path
 
-import apply_overlay
+from scripts import apply_overlay
 
 
 def killing_step_done(kill_at: str):

@@ -1,6 +1,6 @@
 """Probe of vLLM's CPU rejection sampling, run as a subprocess by test_cpu_rejection_sampling.
 
-    python tests/support/rejection_probe.py   # prints one JSON object
+    python -m tests.support.rejection_probe   # prints one JSON object (repo root)
 
 A fresh process matters twice: numba is imported first (as in any process that already ran
 an ngram engine), so the CPU platform's kernel-override registration must survive llvmlite

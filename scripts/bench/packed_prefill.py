@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Micro-benchmark for packed multi-request DSpark prefill (CPU).
+
+1. Request ownership: ``local_request_ids`` (O(L + R) scatter + prefix sum) against the
+   naive O(L x R) scan (every row compared with every request interval, vectorised, so
+   the baseline is the fastest form of the nested scan) and ``searchsorted`` (O(L log R)),
+   at N = 8192 for R in {1, 64, 1024, 4096}.
+2. Ingestion: ``ingest_packed_prefill`` at TP=1 (one process, one thread) against TP=2
+   (two gloo processes on 127.0.0.1, one thread each: two "devices" that each project
+   half the rows, then all-gather), for N in {512, 2048, 8192}. The projection has the
+   DSV4 draft's shape (main_proj + main_norm, one W_kv per draft layer), scaled down in
+   width so it runs in seconds on a laptop; the cache row is the real 512 wide.
+
+Prints medians and ratios against the baseline measured in the same run and writes
+``bench-results/packed_prefill.json`` and ``.png``. Timings, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from scripts.dev.overlay_source import load_overlay_module
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT_DIR = ROOT / "bench-results"
+
+
+pp = load_overlay_module("vllm/v1/spec_decode/dspark/packed_prefill.py")
+dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
+rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------
+# 1. Ownership
+# ---------------------------------------------------------------------------
+
+
+def naive_request_ids(qsl: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """O(L x R): test every local row against every request interval."""
+    n = int(qsl[-1])
+    rows = -(-n // tp)
+    packed = rank * rows + torch.arange(rows)
+    inside = (packed[:, None] >= qsl[None, :-1]) & (packed[:, None] < qsl[None, 1:])  # [L, R]
+    found = inside.any(1)
+    return torch.where(found, inside.int().argmax(1), -1).int()
+
+
+def searchsorted_request_ids(qsl: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """O(L log R): binary search of each row in the request ends."""
+    n = int(qsl[-1])
+    rows = -(-n // tp)
+    packed = rank * rows + torch.arange(rows)
+    ids = torch.searchsorted(qsl[1:], packed, right=True)
+    return torch.where(packed < n, ids, -1).int()
+
+
+def bench_ownership(requests: list[int], num_tokens: int, tp: int, repeats: int) -> list[dict]:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    rank = tp - 1  # the rank that also holds the pad rows
+    out = []
+    for num_requests in requests:
+        cuts = torch.randperm(num_tokens - 1, generator=gen)[: num_requests - 1] + 1
+        qsl = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([num_tokens])])
+        plan = pp.plan_packed_prefill(qsl, tp)
+        ours = pp.local_request_ids(plan, rank)
+        assert torch.equal(ours, naive_request_ids(qsl, tp, rank))
+        assert torch.equal(ours, searchsorted_request_ids(qsl, tp, rank))
+        t_ours = median_time(lambda plan=plan: pp.local_request_ids(plan, rank), repeats)
+        t_naive = median_time(lambda q=qsl: naive_request_ids(q, tp, rank), repeats)
+        t_ss = median_time(lambda q=qsl: searchsorted_request_ids(q, tp, rank), repeats)
+        row = {
+            "R": num_requests,
+            "N": num_tokens,
+            "tp": tp,
+            "L": plan.rows_per_rank,
+            "local_request_ids_s": t_ours,
+            "naive_scan_s": t_naive,
+            "searchsorted_s": t_ss,
+            "speedup_vs_naive": t_naive / t_ours,
+        }
+        out.append(row)
+        print(
+            f"  R={num_requests:5d} L={plan.rows_per_rank}: local_request_ids "
+            f"{t_ours * 1e6:9.1f} us | naive O(LxR) {t_naive * 1e6:10.1f} us "
+            f"({t_naive / t_ours:7.1f}x) | searchsorted {t_ss * 1e6:8.1f} us"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2. Ingestion
+# ---------------------------------------------------------------------------
+
+
+class Projection:
+    """DSV4 draft context-KV projection shape: main_norm(main_proj(concat aux)), then per
+    draft layer kv_norm(W_kv x); RoPE is left out (elementwise, not what TP splits)."""
+
+    def __init__(self, taps: int, hidden: int, layers: int, dim: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.main_proj = torch.randn(hidden, taps * hidden, generator=gen) / (taps * hidden) ** 0.5
+        self.w_kv = torch.randn(layers * dim, hidden, generator=gen) / hidden**0.5
+        self.layers, self.dim = layers, dim
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.rms_norm(x @ self.main_proj.T, (self.main_proj.shape[0],))
+        kv = (h @ self.w_kv.T).view(x.shape[0], self.layers, self.dim)
+        return torch.nn.functional.rms_norm(kv, (self.dim,))
+
+
+def ingest_inputs(num_tokens: int, args) -> dict:
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_requests = min(args.ingest_requests, num_tokens)
+    cuts = torch.randperm(num_tokens - 1, generator=gen)[: num_requests - 1] + 1
+    qsl = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([num_tokens])])
+    starts = torch.randint(0, 4096, (num_requests,), generator=gen)
+    lens = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(num_requests), lens)
+    positions = starts[req] + torch.arange(num_tokens) - qsl[:-1][req]
+    features = torch.randn(num_tokens, args.taps * args.hidden, generator=gen)
+    return {
+        "qsl": qsl.int(),
+        "positions": positions,
+        "features": features,
+        "slots": torch.randperm(num_requests, generator=gen),
+    }
+
+
+def fresh_caches(num_slots: int, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
+        rings.allocate_rings(num_slots, args.window, args.dim, torch.float32, "cpu")
+        for _ in range(args.layers)
+    ]
+
+
+def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict[str, float]]:
+    """Median seconds per chunk: ``total`` (slowest rank) and ``project`` (its projection).
+
+    ``total - project`` is what packing costs on top of the projection: checks, padding,
+    the all-gather and the ring store of all N rows (every rank stores the full chunk).
+    """
+    projection = Projection(args.taps, args.hidden, args.layers, args.dim)
+    spent = []
+
+    def project(x, pos):
+        start = time.perf_counter()
+        out = projection(x, pos)
+        spent.append(time.perf_counter() - start)
+        return out
+
+    times = {}
+    for num_tokens in args.ingest_tokens:
+        inp = ingest_inputs(num_tokens, args)
+        plan = pp.plan_packed_prefill(inp["qsl"], tp, rank=rank, group=group)
+        store = dr.plan_store(
+            inp["qsl"], inp["slots"], window=args.window, num_slots=plan.num_requests
+        )
+        caches = fresh_caches(plan.num_requests, args)
+        totals, projects = [], []
+        for i in range(args.repeats + 1):
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            pp.ingest_packed_prefill(
+                plan,
+                store,
+                inp["features"],
+                inp["positions"],
+                project,
+                caches,
+                max_model_len=1 << 20,
+            )
+            sample = torch.tensor([time.perf_counter() - start, spent[-1]], dtype=torch.float64)
+            if group is not None:  # a step ends when the slowest rank ends
+                torch.distributed.all_reduce(sample, torch.distributed.ReduceOp.MAX, group)
+            if i:  # the first call is a warm-up
+                totals.append(float(sample[0]))
+                projects.append(float(sample[1]))
+        times[num_tokens] = {
+            "total": statistics.median(totals),
+            "project": statistics.median(projects),
+        }
+    return times
+
+
+_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def pin_to_cpu(index: int | None) -> None:
+    """One core per rank, as each Spark has its own chip (None: unpin); no-op where
+    unsupported or with a single CPU."""
+    if len(_ALL_CPUS) < 2:
+        return
+    cpus = _ALL_CPUS if index is None else [_ALL_CPUS[index % len(_ALL_CPUS)]]
+    os.sched_setaffinity(0, cpus)
+
+
+def time_gather(args, group) -> dict[int, float]:
+    """Median seconds of the bare all-gather of the projected rows, per N."""
+    import torch.distributed as dist
+
+    out = {}
+    for n in args.ingest_tokens:
+        rows = -(-n // 2)  # L at TP=2
+        local = torch.randn(rows, args.layers, args.dim)
+        full = torch.empty(2 * rows, args.layers, args.dim)
+        samples = []
+        for i in range(args.repeats + 1):
+            dist.barrier(group)
+            start = time.perf_counter()
+            pp._all_gather_rows(full, local, group)
+            if i:
+                samples.append(time.perf_counter() - start)
+        out[n] = statistics.median(samples)
+    return out
+
+
+def _tp2_worker(rank: int, port: int, args, queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pin_to_cpu(rank)
+    if os.path.isdir("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        times = time_ingest(2, rank, dist.group.WORLD, args, barrier=dist.barrier)
+        gather = time_gather(args, dist.group.WORLD)
+        if rank == 0:
+            for n, seconds in gather.items():
+                times[n]["gather"] = seconds
+            queue.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_ingest_tp2(args) -> dict[int, float]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_tp2_worker, args=(r, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        times = queue.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return times
+
+
+# ---------------------------------------------------------------------------
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    own = result["ownership"]
+    rs = [row["R"] for row in own]
+    for key, label in (
+        ("local_request_ids_s", "local_request_ids O(L+R)"),
+        ("searchsorted_s", "searchsorted O(L log R)"),
+        ("naive_scan_s", "naive scan O(L x R)"),
+    ):
+        ax1.plot(rs, [row[key] * 1e6 for row in own], marker="o", label=label)
+    ax1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="requests R",
+        ylabel="median us per call",
+        title=f"request ownership, N={own[0]['N']}, L={own[0]['L']}",
+    )
+    ax1.legend()
+    ing = result["ingestion"]
+    ns = [row["N"] for row in ing]
+    xs = range(len(ns))
+    for shift, tp, color in ((-0.2, 1, "tab:blue"), (0.2, 2, "tab:orange")):
+        pos = [x + shift for x in xs]
+        ax2.bar(
+            pos,
+            [row[f"tp{tp}_s"] * 1e3 for row in ing],
+            0.4,
+            color=color,
+            alpha=0.45,
+            label=f"TP={tp} total",
+        )
+        ax2.bar(
+            pos,
+            [row[f"tp{tp}_project_s"] * 1e3 for row in ing],
+            0.4,
+            color=color,
+            label=f"TP={tp} projection",
+        )
+    ax2.set_xticks(list(xs), [str(n) for n in ns])
+    ax2.set(
+        xlabel="packed tokens N",
+        ylabel="median ms per chunk",
+        yscale="log",
+        title="context-KV ingestion",
+    )
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 64, 1024, 4096])
+    parser.add_argument("--ownership-tokens", type=int, default=pp.MAX_PACKED_TOKENS)
+    parser.add_argument("--ownership-tp", type=int, default=2)
+    parser.add_argument("--ingest-tokens", type=int, nargs="+", default=[512, 2048, pp.MAX_PACKED_TOKENS])
+    parser.add_argument("--ingest-requests", type=int, default=16)
+    parser.add_argument("--taps", type=int, default=3, help="target layers tapped (DSV4: 3)")
+    parser.add_argument("--hidden", type=int, default=512, help="scaled down from 4096")
+    parser.add_argument("--layers", type=int, default=3, help="draft layers (DSV4: 3)")
+    parser.add_argument("--dim", type=int, default=512, help="context KV width (DSV4: 512)")
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=OUT_DIR / "packed_prefill.json")
+    args = parser.parse_args()
+
+    print(f"ownership at N={args.ownership_tokens}, TP={args.ownership_tp} (last rank), 1 thread")
+    ownership = bench_ownership(
+        args.requests, args.ownership_tokens, args.ownership_tp, max(args.repeats, 20)
+    )
+
+    print(
+        f"ingestion: {args.ingest_requests} requests, taps={args.taps} hidden={args.hidden} "
+        f"layers={args.layers} D={args.dim} W={args.window}, fp32, 1 thread per rank pinned "
+        f"to its own core; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    torch.set_num_threads(1)
+    pin_to_cpu(0)
+    tp1 = time_ingest(1, 0, None, args)
+    pin_to_cpu(None)
+    tp2 = bench_ingest_tp2(args)
+    ingestion = []
+    for n in args.ingest_tokens:
+        one, two = tp1[n], tp2[n]
+        row = {
+            "N": n,
+            "tp1_s": one["total"],
+            "tp2_s": two["total"],
+            "speedup_tp2": one["total"] / two["total"],
+            "tp1_project_s": one["project"],
+            "tp2_project_s": two["project"],
+            "tp1_overhead_s": one["total"] - one["project"],
+            "tp2_overhead_s": two["total"] - two["project"],
+            "tp2_gather_s": two["gather"],
+        }
+        ingestion.append(row)
+        print(
+            f"  N={n:5d}: TP=1 {one['total'] * 1e3:8.2f} ms | TP=2 {two['total'] * 1e3:8.2f} ms "
+            f"({one['total'] / two['total']:.2f}x) | projection {one['project'] * 1e3:7.2f} -> "
+            f"{two['project'] * 1e3:7.2f} ms ({one['project'] / two['project']:.2f}x) | "
+            f"rest {row['tp1_overhead_s'] * 1e3:6.2f} -> {row['tp2_overhead_s'] * 1e3:6.2f} ms "
+            f"(bare all-gather {two['gather'] * 1e3:.2f} ms)"
+        )
+    result = {
+        "benchmark": "packed_prefill",
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "ownership": ownership,
+        "ingestion": ingestion,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    png = args.out.with_suffix(".png")
+    plot(result, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The tiny checkpoint's path, generated on first use and, when asked, its draft trained once.
+
+The one place that knows where the demo's checkpoint lives and how to make it: the demo, the
+server, the benchmarks and the tests call this instead of running the generators themselves.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
+
+
+def run_tool(module: str, *args: str) -> None:
+    """``python -m scripts.tiny.<module> ARGS`` from the repo root (its imports need it)."""
+    subprocess.run([sys.executable, "-m", f"scripts.tiny.{module}", *args], cwd=REPO, check=True)
+
+
+def ensure_tiny_model(
+    path: Path = TINY_MODEL,
+    *,
+    train: bool = True,
+    quiet: bool = True,
+    compress_ratios: str | None = None,
+    announce: str | None = None,
+) -> Path:
+    """``path`` holding the tiny DeepSeek-V4-DSpark checkpoint; each step skipped when done.
+
+    ``train`` trains the checkpoint's draft against the tiny target (recorded beside the
+    checkpoint, so a second call only reads the record); ``quiet`` hides the training's
+    progress; ``announce`` (a prefix, e.g. ``">> "``) prints a line before generating.
+    """
+    path = Path(path).resolve()
+    if not (path / "config.json").exists():
+        if announce is not None:
+            print(f"{announce}generating the tiny DeepSeek-V4-DSpark checkpoint: {path}", flush=True)
+        extra = [] if compress_ratios is None else ["--compress-ratios", compress_ratios]
+        run_tool("make_tiny_model", "--dspark", "--quiet", "--force", "--out", str(path), *extra)
+    if train:
+        run_tool("train_tiny_draft", "--model", str(path), *(["--quiet"] if quiet else []))
+    return path

@@ -1,0 +1,1 @@
+"""Tests of the repository and its maintainer tools: layout rules, mutation testing."""

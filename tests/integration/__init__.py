@@ -1,0 +1,1 @@
+"""Integration tests: vLLM imported (the overlay applied to the venv), no engine."""

@@ -1,0 +1,165 @@
+"""The device half of a DSpark step never reads device data on the host.
+
+Every step is planned on the host as the proposer does it (``plan_step``), but all device
+data (rings, positions, KV rows, rejection counts) lives on the ``meta`` device, which
+holds no values: any ``.item()``, ``.tolist()``, ``bool()``, ``nonzero`` or data-sized
+``repeat_interleave`` on it raises. On a GPU each of those would be a blocking
+device-to-host sync inside vLLM's async-scheduled step. The last test shows the guard
+catches one ``.item()`` slipped into the store.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import vllm.v1.spec_decode.dspark.context_store as dr
+import vllm.v1.spec_decode.dspark.rings as rings
+from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
+from vllm.v1.spec_decode.dspark.step_plan import capture_sizes, draft_anchor_positions, plan_step
+
+from tests.support.host_reads import HostReadGuard
+
+DEVICE = "meta"
+WINDOW, DIM, NUM_SLOTS, K = 16, 8, 6, 4
+
+
+def meta_rings():
+    return rings.allocate_rings(NUM_SLOTS, WINDOW, DIM, torch.bfloat16, DEVICE)
+
+
+def device_step(cache, cache_pos, table, req_ids, lengths, drafts, prefilling=None):
+    """Plan on the host, then the device half on meta tensors: store, anchors, window."""
+    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    plan = plan_step(
+        qsl,
+        table.assign(req_ids),
+        num_draft_tokens=drafts,
+        prefilling=prefilling,
+        temperature_cpu=None,
+        window=WINDOW,
+        num_slots=NUM_SLOTS,
+        num_spec_tokens=K,
+        draft_sizes=capture_sizes(NUM_SLOTS),
+        device=DEVICE,
+    )
+    rows = plan.num_rows
+    positions = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    rejected = torch.empty(len(req_ids), dtype=torch.int64, device=DEVICE)
+    kv = torch.empty(rows, DIM, dtype=torch.bfloat16, device=DEVICE)
+    if plan.packed is not None:
+
+        def project(x, pos):
+            return torch.empty(x.shape[0], 1, DIM, dtype=torch.bfloat16, device=DEVICE)
+
+        features = torch.empty(rows, 2 * DIM, device=DEVICE)
+        ingest_packed_prefill(
+            plan.packed,
+            plan.store,
+            features,
+            positions,
+            project,
+            [(cache, cache_pos)],
+            max_model_len=4096,
+            num_rejected=rejected,
+        )
+    else:
+        dr.store_context_kv(cache, cache_pos, kv, positions, plan.store, rejected)
+    anchor = draft_anchor_positions(plan, positions, rejected)
+    mask = dr.window_mask(cache_pos, plan.draft_slots, anchor, WINDOW)
+    assert mask.shape == (plan.draft_rows, WINDOW) and mask.device.type == DEVICE
+    return plan
+
+
+def test_host_sync_free_flat_ragged_packed_and_release_steps():
+    cache, cache_pos = meta_rings()
+    table = rings.SlotTable(NUM_SLOTS)
+    # Flat decode step: every request verifies K drafts.
+    plan = device_step(cache, cache_pos, table, ["a", "b", "c"], [K + 1] * 3, [K] * 3)
+    assert plan.store.uniform and plan.packed is None and plan.draft_rows == 4
+    # Ragged mixed step: verify rows next to a short prefill chunk.
+    plan = device_step(
+        cache, cache_pos, table, ["a", "b", "d"], [K + 1, 2, 3], [K, 1, 0], [False, False, True]
+    )
+    assert not plan.store.uniform and plan.packed is None
+    # Packed-prefill step: a long chunk beside verify rows.
+    plan = device_step(cache, cache_pos, table, ["a", "e"], [K + 1, 200], [K, 0])
+    assert plan.packed is not None
+    # Release and reuse: the freed row is cleared, then taken by a new request.
+    freed = table.release(["b"])
+    rings.clear_slots(cache_pos, freed)
+    plan = device_step(cache, cache_pos, table, ["f", "a"], [3, K + 1], [0, K])
+    assert table.slot_of("f") == freed[0]
+
+
+def test_host_sync_guard_catches_one_item(monkeypatch):
+    """The guard is real: one ``.item()`` on device data in the store fails the step."""
+    original = dr._flat_candidates
+
+    def with_a_sync(plan, positions, acc_end, last_pos):
+        if int(acc_end.sum().item()) < 0:  # the kind of check that used to live here
+            raise AssertionError("unreachable")
+        return original(plan, positions, acc_end, last_pos)
+
+    monkeypatch.setattr(dr, "_flat_candidates", with_a_sync)
+    cache, cache_pos = meta_rings()
+    with pytest.raises(RuntimeError, match="meta"):
+        device_step(cache, cache_pos, rings.SlotTable(NUM_SLOTS), ["a", "b"], [K + 1] * 2, [K] * 2)
+
+
+def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
+    """What the runner runs per engine step: release finished requests, publish, propose."""
+    import vllm.v1.spec_decode.dspark.metrics as dm
+
+    shape = proposer.model.shape
+    width = shape.hidden_size * len(shape.target_layer_ids)
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    gen = torch.Generator().manual_seed(step)
+    rows = int(qsl[-1])
+    inputs = dict(
+        req_ids=req_ids,
+        query_start_loc_cpu=torch.from_numpy(qsl),
+        positions=torch.arange(rows) + 10 * step,
+        aux_hidden_states=torch.randn(rows, width, generator=gen).to(torch.bfloat16),
+        num_rejected=torch.tensor(rejected),
+        next_token_ids=torch.randint(0, shape.vocab_size, (len(req_ids),), generator=gen),
+        num_draft_tokens=drafts,
+    )
+    with HostReadGuard() as guard:
+        proposer.release([f"gone{step}"])
+        dm.publish_dspark_metrics(proposer, proposer.vllm_config)
+        proposer.propose(**inputs)
+    return guard.reads
+
+
+def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(tmp_path, monkeypatch):
+    """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all."""
+    import vllm.v1.spec_decode.dspark.metrics as dm
+
+    from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(dm, "_exporter", None)
+    monkeypatch.setattr(dm, "_checked", False)
+    draft, vc = build_draft(ensure_tiny_model())
+    proposer = make_proposer(draft, vc, max_num_seqs=4)
+    proposer.vllm_config = vc
+    k = proposer.num_speculative_tokens
+    # (requests, rows, drafts verified, rows rejected): prefill, flat verify, ragged mix.
+    steps = [(["a", "b"], [7, 3], [0, 0], [0, 0])]
+    steps += [(["a", "b"], [k + 1, k + 1], [k, k], [2, k])]
+    steps += [(["a", "b", "c"], [k + 1, 1, 5], [k, 0, 0], [1, 0, 0])] * 3
+    for step, batch in enumerate(steps):
+        reads = _whole_step(proposer, step, *batch)
+        assert reads == [], f"step {step}: host reads\n" + "\n".join(w for _, w in reads)
+    assert dm._exporter is not None, "metrics were not exported"
+    # The exported counters lag the device by a step at most, and are exact once caught up.
+    lagged, exact = proposer.metrics_counters(), proposer.counters
+    assert lagged.rejected_rows <= exact.rejected_rows and exact.rejected_rows == 3 * 1 + 2 + k
+
+
+def test_host_read_guard_catches_one_item():
+    """The whole-step guard is real: one ``int()`` of a tensor is a read."""
+    with HostReadGuard() as guard:
+        int(torch.ones(3).sum())
+    assert [op for op, _ in guard.reads] == ["aten._local_scalar_dense.default"]

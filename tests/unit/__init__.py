@@ -1,0 +1,1 @@
+"""Unit tests: no vLLM import, seconds each."""
