@@ -132,12 +132,17 @@ def local_server(profile_file: Path, port: int, log: Path, timeout_s: float) -> 
         wait_healthy(base, timeout_s, proc)
         yield base
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, grace_s=60)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a server's process group; SIGKILL it if it is still there after ``grace_s``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace_s)
 
 
 def run_variant(args: argparse.Namespace, name: str, profile: dict, stem: Path) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench.ab import stop_process_group
 from tests.support.net import free_port
 
 STARTUP_S = 600
@@ -75,12 +75,7 @@ def start_cpu_tiny_server(
             time.sleep(2)
         yield CpuServer(base, proc.pid, log, api_key)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        stop_process_group(proc, grace_s=30)
 
 
 def _healthy(base: str) -> bool:

@@ -14,7 +14,6 @@ grammar back. Every output is scored under the grammar against the plain target
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -25,6 +24,7 @@ from tests.e2e.runners.dspark import drive, engine_kwargs, make_engine
 from tests.support import grammar_oracle as grammar
 from tests.support.draft_hooks import replace_drafts, restore_drafts
 from tests.support.oracle_drafts import external_id
+from tests.support.runner_cli import model_and_out
 
 KINDS = {"J0": "json", "R0": "regex", "J1": "json"}
 PROMPT_LENS = {"J0": 40, "R0": 90, "J1": 150}
@@ -98,10 +98,7 @@ def score(target: PlainTarget, tokenizer, vocab: int, all_prompts, outputs) -> d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = model_and_out()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

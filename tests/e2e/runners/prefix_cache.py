@@ -23,7 +23,6 @@ steps it drafted with holes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -33,6 +32,7 @@ from scripts.verify.plain_target import PlainTarget
 from tests.e2e.runners.dspark import engine_kwargs, make_engine, params, score
 from tests.support.draft_hooks import replace_drafts, restore_drafts
 from tests.support.oracle_drafts import OracleDrafts, external_id
+from tests.support.runner_cli import model_and_out
 
 # Hits align to the largest KV group block span (256 tokens with C4A layers, block 64), and
 # DSpark, like EAGLE, drops the last matched block (vLLM recomputes it for the draft): a
@@ -213,10 +213,7 @@ def run(model: str, target: PlainTarget) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = model_and_out()
     plain = {**engine_kwargs(args.model, None, speculative=False), "max_model_len": MAX_MODEL_LEN}
     with PlainTarget(plain) as target:
         result = run(args.model, target)
