@@ -106,13 +106,13 @@ check: ## report whether the overlay is applied to the venv's vLLM
 	scripts/apply_overlay.sh --python $(PY) --check
 
 # The two-Spark launch on this machine: two network namespaces as the two nodes, the real
-# docker/entrypoint.sh on each (needs root; README "Rehearsing the two-Spark launch").
+# docker/entrypoint.sh on each (needs root; README "Two Sparks").
 REHEARSE_ARGS ?= --faults
 rehearse: setup model ## the two-Spark launch for real on this machine (root): smoke, audit, load, faults, lossless
 	@if [ "$$(id -u)" = 0 ]; then $(PY) -m scripts.rehearse $(REHEARSE_ARGS); \
 	else echo ">> network namespaces need root: running it with sudo"; sudo $(PY) -m scripts.rehearse $(REHEARSE_ARGS); fi
 
-# ---- Two DGX Sparks (README "Running on two Sparks"); every target acts on this node -----
+# ---- Two DGX Sparks (README "Two Sparks"); every target acts on this node ---------------
 SPARK_ENV ?= docker/.env
 COMPOSE := docker compose -f docker/compose.yaml --env-file $(SPARK_ENV)
 DSPARK_IMAGE ?= $(or $(shell sed -n 's/^DSPARK_IMAGE=//p' $(SPARK_ENV) 2>/dev/null),dspark-vllm:local)

@@ -115,7 +115,7 @@ class Rehearsal:
             "VLLM_API_KEY": self.key,
             "HEAD_WAIT_TIMEOUT_S": "300",
             # The rehearsal's namespaces have the fabric link and loopback only: nothing else
-            # can reach the store, which listens on every interface (README "Security").
+            # can reach the store, which listens on every interface (README "Operating", security).
             "FIREWALLED_PORTS": str(self.master_port),
             **HEAD_WATCH,
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),

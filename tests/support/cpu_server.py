@@ -24,7 +24,7 @@ from scripts.bench.ab import stop_process_group
 from tests.support.net import free_port
 
 STARTUP_S = 600
-# The shared server requires this key, as a Spark head does (README "Security").
+# The shared server requires this key, as a Spark head does (README "Operating", security).
 CPU_TINY_API_KEY = "cpu-tiny-test-key-7d1e0b93"
 # Prefix caching on, as spark-2x serves, so clients see cache hits in usage (the cpu-tiny
 # profile keeps it off for the in-process engines of the end-to-end oracles); prompt logprobs
