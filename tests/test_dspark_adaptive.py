@@ -199,3 +199,78 @@ def test_adaptive_needs_sync_scheduling(env):
             make_proposer(draft, vc, adaptive=True)
     finally:
         vc.scheduler_config.async_scheduling = False
+
+
+# ------------------------------------------------------------------ the recipe knob
+
+
+def _profile(name: str, **speculative) -> dict:
+    import copy
+
+    import recipe
+
+    profile = copy.deepcopy(recipe.load_profile(name))
+    profile["speculative"].update(speculative)
+    return profile
+
+
+@pytest.mark.parametrize(
+    "name,speculative,serving,message",
+    [
+        ("cpu-tiny", {"adaptive": "yes"}, {}, "speculative.adaptive: expected bool, got str"),
+        ("spark-2x", {"adaptive": True}, {"async_scheduling": True},
+         "speculative.adaptive: true on the overlay runner needs serving.async_scheduling: false"),
+        ("spark-2x-upstream", {"adaptive": True}, {"enforce_eager": True},
+         "speculative.adaptive: true on the upstream runner needs full CUDA graphs"),
+    ],
+    ids=["not a bool", "overlay with async scheduling", "upstream eager"],
+)
+def test_recipe_rejects_bad_adaptive_settings(name, speculative, serving, message):
+    import recipe
+
+    profile = _profile(name, **speculative)
+    profile["serving"].update(serving)
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(profile)
+    assert message in str(err.value)
+
+
+def test_recipe_knob_is_rendered_as_vllms_own_field():
+    import json
+
+    import recipe
+
+    for adaptive in (False, True):
+        profile = recipe.validate(_profile("cpu-tiny", adaptive=adaptive))
+        spec = recipe.engine_args(profile)["speculative_config"]
+        assert spec["enable_adaptive_verification"] is adaptive
+        argv = recipe.serve_argv(profile)
+        rendered = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert rendered["enable_adaptive_verification"] is adaptive
+    missing = _profile("cpu-tiny")
+    del missing["speculative"]["adaptive"]
+    with pytest.raises(recipe.RecipeError, match="speculative.adaptive: missing"):
+        recipe.validate(missing)
+
+
+def test_vllm_v1_config_accepts_adaptive_dspark_without_cuda_graphs():
+    """The overlay's config patch: V1 + DSpark + enable_adaptive_verification + eager."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    fake = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            enable_adaptive_verification=True, method="dspark"
+        ),
+        lora_config=None,
+        use_v2_model_runner=False,
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(has_full_cudagraphs=lambda: False)
+        ),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+    )
+    VllmConfig._validate_adaptive_verification(fake)
+    fake.speculative_config.method = "eagle"
+    with pytest.raises(ValueError, match="full CUDA graphs"):
+        VllmConfig._validate_adaptive_verification(fake)
