@@ -36,8 +36,9 @@ __all__ = [
 
 CUT = -1  # a draft slot past the cut (never a token id)
 ROW_COST_ENV = "DSPARK_VERIFY_ROW_COST"
-# Measured on a 2-core EPYC Zen 5 with the tiny checkpoint (``python -m scripts.bench.adaptive``
-# prints the fit): one more verify row costs about this fraction of a step's fixed cost.
+# One more verify row as a fraction of a step's fixed cost. ``python -m scripts.bench.adaptive``
+# fits it on the machine at hand: 0.007 to 0.05 for the tiny checkpoint on a shared 2-core
+# EPYC Zen 5. A deployment sets its own (DSPARK_VERIFY_ROW_COST in the profile's env).
 DEFAULT_ROW_COST = 0.01
 
 
