@@ -161,6 +161,9 @@ SCHEMA: dict[str, Any] = {
         "checkpoint_block_size": Field(int, lo=1, hi=16),
         "draft_sample_method": Field(str, choices=("greedy", "probabilistic")),
         "runner": Field(str, choices=tuple(RUNNER_V2_FLAG)),
+        # Confidence-scheduled verification: verify only the drafts worth their rows
+        # (vLLM's enable_adaptive_verification; overlay/README.md "Adaptive verification").
+        "adaptive": Field(bool),
     },
     "env": {},  # free-form NAME: value map, checked in _check_env
     # `make demo` only: a smaller prefill chunk, so its engine steps mix prefill chunks and
@@ -254,6 +257,16 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
         )
     if spec["method"] == "none":
         return
+    if spec["adaptive"] and spec["runner"] == "overlay" and srv["async_scheduling"]:
+        problems.append(
+            "speculative.adaptive: true on the overlay runner needs serving.async_scheduling: "
+            "false (the async scheduler reserves k draft slots before the drafts exist)"
+        )
+    if spec["adaptive"] and spec["runner"] == "upstream" and srv["enforce_eager"]:
+        problems.append(
+            "speculative.adaptive: true on the upstream runner needs full CUDA graphs; "
+            "set serving.enforce_eager: false"
+        )
     k = spec["num_speculative_tokens"]
     if k > spec["checkpoint_block_size"]:
         problems.append(
@@ -406,6 +419,7 @@ def speculative_config(profile: dict) -> dict | None:
         "method": spec["method"],
         "num_speculative_tokens": spec["num_speculative_tokens"],
         "draft_sample_method": spec["draft_sample_method"],
+        "enable_adaptive_verification": spec["adaptive"],
     }
 
 

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     runner = recipe.vllm_env(profile)  # which model runner serves DSpark (speculative.runner)
     env.update(runner)
+    for key, value in profile.get("env", {}).items():  # as the container does: a node's own wins
+        env.setdefault(key, str(value))
     if profile["device"] == "cpu":
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -128,6 +128,7 @@ def check_mask_and_anchors(step, device):
         packed=None,
         draft_rows=plan.num_requests,
         draft_slots=plan.slots,
+        drafting=torch.ones_like(plan.slots),
         num_discarded=0,
         num_verified=0,
         num_sampled=0,

@@ -128,12 +128,19 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
     with HostReadGuard() as guard:
         proposer.release([f"gone{step}"])
         dm.publish_dspark_metrics(proposer, proposer.vllm_config)
-        proposer.propose(**inputs)
-    return guard.reads
+        drafts = proposer.propose(**inputs)
+    return guard.reads, drafts
 
 
-def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(tmp_path, monkeypatch):
-    """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all."""
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(
+    tmp_path, monkeypatch, adaptive
+):
+    """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all.
+
+    With adaptive verification the step also runs the confidence head and the cut rule
+    (sort, cumsum, argmax over the batch's draft slots) on the device.
+    """
     import vllm.v1.spec_decode.dspark.metrics as dm
 
     from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
@@ -142,16 +149,20 @@ def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(tmp_pat
     monkeypatch.setattr(dm, "_exporter", None)
     monkeypatch.setattr(dm, "_checked", False)
     draft, vc = build_draft(ensure_tiny_model())
-    proposer = make_proposer(draft, vc, max_num_seqs=4)
+    monkeypatch.setenv("DSPARK_VERIFY_ROW_COST", "0.05")  # a cut in between: ragged drafts
+    proposer = make_proposer(draft, vc, max_num_seqs=4, adaptive=adaptive)
     proposer.vllm_config = vc
     k = proposer.num_speculative_tokens
     # (requests, rows, drafts verified, rows rejected): prefill, flat verify, ragged mix.
     steps = [(["a", "b"], [7, 3], [0, 0], [0, 0])]
     steps += [(["a", "b"], [k + 1, k + 1], [k, k], [2, k])]
     steps += [(["a", "b", "c"], [k + 1, 1, 5], [k, 0, 0], [1, 0, 0])] * 3
+    cut_slots = 0
     for step, batch in enumerate(steps):
-        reads = _whole_step(proposer, step, *batch)
+        reads, drafts = _whole_step(proposer, step, *batch)
         assert reads == [], f"step {step}: host reads\n" + "\n".join(w for _, w in reads)
+        cut_slots += int((drafts == -1).sum())
+    assert (cut_slots > 0) == adaptive, "the adaptive steps cut no draft (or fixed k did)"
     assert dm._exporter is not None, "metrics were not exported"
     # The exported counters lag the device by a step at most, and are exact once caught up.
     lagged, exact = proposer.metrics_counters(), proposer.counters

@@ -123,7 +123,9 @@ def build_draft(model_dir: Path):
     return draft, vc
 
 
-def make_proposer(draft, vc, *, num_spec=None, probabilistic=False, max_num_seqs=8):
+def make_proposer(
+    draft, vc, *, num_spec=None, probabilistic=False, max_num_seqs=8, adaptive=False
+):
     """A DSparkProposer around an already built draft, without an engine.
 
     The proposer reads a few speculative settings; the engine-less VllmConfig has no
@@ -138,6 +140,7 @@ def make_proposer(draft, vc, *, num_spec=None, probabilistic=False, max_num_seqs
         use_dspark=lambda: True,
         num_speculative_tokens=num_spec or hf.dspark_block_size,
         draft_sample_method="probabilistic" if probabilistic else "greedy",
+        enable_adaptive_verification=adaptive,
         draft_model_config=None,
     )
     vc.scheduler_config.max_num_seqs = max_num_seqs

@@ -48,6 +48,7 @@ from vllm.models.deepseek_v4.common.dspark.model import (
     load_dspark_draft,
 )
 from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
+from vllm.v1.spec_decode.dspark.adaptive import VerifyCost, apply_cut, draft_budget_mask
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
@@ -98,6 +99,16 @@ class DSparkProposer:
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.draft_sizes = capture_sizes(self.max_num_seqs)
         self.probabilistic = spec.draft_sample_method == "probabilistic"
+        # Confidence-scheduled verification: drafts not worth verifying come back as CUT.
+        self.adaptive = bool(getattr(spec, "enable_adaptive_verification", False))
+        if self.adaptive and getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            raise ValueError(
+                "enable_adaptive_verification on the V1 runner needs async_scheduling off: "
+                "the async scheduler reserves k draft slots per request before the drafts "
+                "(and their cut) exist"
+            )
+        self.verify_cost = VerifyCost.from_env() if self.adaptive else None
+        self._cost_table: torch.Tensor | None = None
         self.dtype = vllm_config.model_config.dtype
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.slot_table = SlotTable(self.max_num_seqs)
@@ -171,6 +182,14 @@ class DSparkProposer:
         stacked = self.kv_cache.view(-1, self.window, self.num_layers, self.head_dim)
         self._layer_caches = list(stacked.unbind(2))
         self._block_offsets = torch.arange(self.num_speculative_tokens, device=self.device)
+        if self.verify_cost is not None:
+            if getattr(model, "confidence_head", None) is None:
+                raise ValueError(
+                    "enable_adaptive_verification needs the draft's confidence head "
+                    "(mtp.*.confidence_head.proj), which this checkpoint does not have"
+                )
+            max_rows = self.max_num_seqs * (self.num_speculative_tokens + 1)
+            self._cost_table = self.verify_cost.table(max_rows, self.device)
         if draft_graphs_wanted(self.vllm_config, self.device):
             self.use_draft_graphs()
 
@@ -301,6 +320,8 @@ class DSparkProposer:
             else:
                 temperature = None
             drafts = self._draft(req_ids, plan, anchors, anchor_pos, temperature, noise)
+            if self._cost_table is not None:
+                drafts = self._cut(plan, drafts)
         self._count(plan, num_rejected)
         return drafts.to(torch.int32)
 
@@ -317,6 +338,21 @@ class DSparkProposer:
         self._last_probs = probs[0][:num_reqs] if probs else None
         self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
         return tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
+
+    def _cut(self, plan: StepPlan, drafts: torch.Tensor) -> torch.Tensor:
+        """Drafts past each request's verification budget replaced by ``CUT`` (device)."""
+        num_reqs = plan.num_requests
+        head, embeds = self._confidence_inputs
+        with torch.inference_mode():
+            confidence = self.model.compute_confidence(head[:num_reqs], embeds[:num_reqs])
+            keep = draft_budget_mask(
+                confidence,
+                plan.drafting[:num_reqs].bool(),
+                num_eligible=num_reqs - plan.num_discarded,
+                base_rows=num_reqs,
+                cost_table=self._cost_table,
+            )
+            return apply_cut(drafts, keep)
 
     def plan(self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu):
         """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""

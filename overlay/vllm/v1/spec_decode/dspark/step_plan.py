@@ -46,6 +46,7 @@ class StepPlan:
     packed: PackedPrefill | None  # set when a prefill chunk goes through packed prefill
     draft_rows: int  # R padded to a capture size; pad rows draft from the scratch row
     draft_slots: torch.Tensor  # [draft_rows] ring row per draft row (pads: scratch row S)
+    drafting: torch.Tensor  # [draft_rows] 1 where the drafts reach the scheduler, else 0
     num_discarded: int  # requests still in chunked prefill (their drafts are dropped)
     num_verified: int  # draft tokens the target verified this step
     num_sampled: int  # requests drafting at temperature > 0
@@ -113,6 +114,7 @@ def plan_step(
         raise ValueError(f"R={num_requests} requests exceed the largest draft size {draft_sizes}")
     pad = np.full(draft_rows - num_requests, num_slots, dtype=np.int64)
     arrays["draft_slots"] = np.concatenate([arrays["slots"], pad])
+    arrays["drafting"] = np.concatenate([~discard, np.zeros(pad.size, dtype=bool)])
 
     packed = None
     if num_requests * (num_spec_tokens + 1) < store["num_rows"] <= MAX_PACKED_TOKENS:
@@ -129,11 +131,13 @@ def plan_step(
         num_sampled = int((temperature > 0).sum())
     tensors = ship(arrays, device)
     draft_slots = tensors.pop("draft_slots")
+    drafting = tensors.pop("drafting")
     return StepPlan(
         store=StorePlan(**store, **tensors),
         packed=packed,
         draft_rows=draft_rows,
         draft_slots=draft_slots,
+        drafting=drafting,
         num_discarded=int(discard.sum()),
         num_verified=int(drafts.sum()),
         num_sampled=num_sampled,

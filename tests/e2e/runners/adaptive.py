@@ -1,0 +1,121 @@
+"""Subprocess driver for the adaptive-verification end-to-end test (real vLLM, CPU, V1).
+
+    python -m tests.e2e.runners.adaptive fixed --model DIR --out R.json
+    python -m tests.e2e.runners.adaptive adaptive --model DIR --out R.json
+
+Both modes run the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
+chunked prefill) through one DSpark engine with the trained tiny draft, and record what
+the target verified each step: per request, the drafts it was scheduled (the proposer's
+``num_draft_tokens``) and whether it was still in prefill. ``adaptive`` turns on
+``enable_adaptive_verification`` (row cost from ``DSPARK_VERIFY_ROW_COST``), scores the
+greedy outputs with the greedy oracle (the plain target by teacher forcing, in a child
+process) and runs the same seeded sampled requests twice, one batch after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from scripts.verify.plain_target import PlainTarget
+from tests.e2e.runners.dspark import (
+    add_all,
+    drive,
+    engine_kwargs,
+    make_engine,
+    params,
+    prompts,
+    score,
+)
+
+GREEDY = [f"L{i}" for i in range(8)]
+GREEDY_TOKENS = 16
+SAMPLED = ["L1", "L3", "L5"]
+SAMPLED_TOKENS = 16
+
+
+def record_verify_steps(drafter) -> list[dict]:
+    """Wrap ``drafter.propose`` to keep each step's scheduled draft counts (host data)."""
+    steps: list[dict] = []
+    propose = drafter.propose
+
+    def recording(**kwargs):
+        drafts = kwargs.get("num_draft_tokens")
+        prefilling = kwargs.get("prefilling")
+        n = len(kwargs["req_ids"])
+        steps.append(
+            {
+                "drafts": [0] * n if drafts is None else [int(d) for d in drafts],
+                "prefilling": [False] * n if prefilling is None else [bool(p) for p in prefilling],
+            }
+        )
+        return propose(**kwargs)
+
+    drafter.propose = recording
+    return steps
+
+
+def greedy_phase(engine, drafter, all_prompts) -> dict:
+    steps = record_verify_steps(drafter)
+    drafter.reset_counters()
+    add_all(engine, all_prompts, GREEDY, GREEDY_TOKENS)
+    outputs, _, num_steps = drive(engine, lambda _: None)
+    return {
+        "outputs": outputs,
+        "steps": list(steps),  # this phase's steps (the wrapper keeps recording)
+        "engine_steps": num_steps,
+        "counters": drafter.counters.as_dict(),
+    }
+
+
+def sampled_twice(engine, all_prompts) -> list[dict[str, list[int]]]:
+    """The same seeded sampled requests, as the same batch, twice."""
+    runs = []
+    for run in range(2):
+        for i, rid in enumerate(SAMPLED):
+            engine.add_request(
+                f"{rid}-run{run}",
+                {"prompt_token_ids": all_prompts[rid]},
+                params(SAMPLED_TOKENS, temperature=0.9, seed=100 + i),
+            )
+        outputs, _, _ = drive(engine, lambda _: None)
+        runs.append({rid.split("-run")[0]: toks for rid, toks in outputs.items()})
+    return runs
+
+
+def run(model: str, adaptive: bool, target: PlainTarget | None = None) -> dict:
+    kwargs = engine_kwargs(model, None, speculative=True)
+    kwargs["speculative_config"] = {
+        **kwargs["speculative_config"],
+        "enable_adaptive_verification": adaptive,
+    }
+    engine = make_engine(kwargs)
+    drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    all_prompts = prompts()
+    result = {"adaptive": drafter.adaptive, "greedy": greedy_phase(engine, drafter, all_prompts)}
+    if target is not None:
+        outputs = result["greedy"]["outputs"]
+        result["oracle"] = score(target, all_prompts, outputs, dict.fromkeys(outputs, GREEDY_TOKENS))
+        result["sampled"] = sampled_twice(engine, all_prompts)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["fixed", "adaptive"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.mode == "fixed":
+        result = run(args.model, adaptive=False)
+    else:
+        with PlainTarget(engine_kwargs(args.model, None, speculative=False)) as target:
+            result = run(args.model, adaptive=True, target=target)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

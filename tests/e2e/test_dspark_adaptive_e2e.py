@@ -1,0 +1,101 @@
+"""Adaptive verification end to end in real vLLM on CPU (V1 runner, trained tiny draft).
+
+The same 8 greedy prompts run once with fixed k and once with
+``enable_adaptive_verification`` (``tests/e2e/runners/adaptive.py``, one engine per process).
+Adaptive must stay lossless by the greedy oracle (the plain target by teacher forcing),
+really verify a different number of drafts per request within one step (the scheduler's
+own draft counts, as the target verified them), verify fewer drafts than fixed k for the
+same emitted tokens, and repeat seeded sampled requests token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm.v1.spec_decode.dspark.adaptive  # noqa: F401  (fails if the overlay is not applied)
+
+from tests.e2e.runners import adaptive as runner
+from tests.support.greedy_oracle import EPSILON_NATS
+from tests.support.paths import REPO
+from tests.support.tiny import ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+ROW_COST = "0.02"  # a verify row at 2% of a step's fixed cost: cuts some drafts, not all
+
+
+def _run(mode: str, out: Path) -> dict:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "DSPARK_VERIFY_ROW_COST": ROW_COST,
+    }
+    cmd = [sys.executable, "-m", runner.__name__, mode, "--model", str(ensure_tiny_model())]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"{mode} run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("adaptive")
+    return {mode: _run(mode, tmp / f"{mode}.json") for mode in ("fixed", "adaptive")}
+
+
+def _verify_steps(run: dict) -> list[list[int]]:
+    """Per step, the draft counts of the requests past their prefill."""
+    return [
+        [d for d, pre in zip(s["drafts"], s["prefilling"], strict=True) if not pre]
+        for s in run["greedy"]["steps"]
+    ]
+
+
+def test_both_runs_emit_every_token(runs):
+    assert runs["fixed"]["adaptive"] is False and runs["adaptive"]["adaptive"] is True
+    for run in runs.values():
+        outputs = run["greedy"]["outputs"]
+        assert sorted(outputs) == sorted(runner.GREEDY)
+        assert all(len(t) == runner.GREEDY_TOKENS for t in outputs.values())
+
+
+def test_adaptive_greedy_is_lossless_by_teacher_forcing(runs):
+    oracle = runs["adaptive"]["oracle"]
+    assert oracle["epsilon"] == EPSILON_NATS
+    assert oracle["violations"] == [] and oracle["ok"], oracle
+    assert sorted(oracle["ids"]) == sorted(runner.GREEDY)
+
+
+def test_adaptive_steps_are_ragged_and_fixed_steps_are_not(runs):
+    k = max(max(counts, default=0) for counts in _verify_steps(runs["fixed"]))
+    assert k >= 2
+    # Fixed k: every decoding request verifies k drafts, once its first drafts exist.
+    fixed = [set(c) - {0} for c in _verify_steps(runs["fixed"])]
+    assert all(s <= {k} for s in fixed)
+    ragged = [c for c in _verify_steps(runs["adaptive"]) if len(set(c)) > 1]
+    assert len(ragged) >= 3, _verify_steps(runs["adaptive"])
+    assert any(0 < d < k for c in ragged for d in c)
+
+
+def test_adaptive_verifies_fewer_drafts_for_the_same_tokens(runs):
+    fixed = runs["fixed"]["greedy"]["counters"]["verified_tokens"]
+    adaptive = runs["adaptive"]["greedy"]["counters"]["verified_tokens"]
+    scheduled = sum(sum(c) for c in _verify_steps(runs["adaptive"]))
+    assert scheduled == adaptive  # the counters count what the scheduler verified
+    assert 0 < adaptive < fixed, (adaptive, fixed)
+
+
+def test_adaptive_seeded_sampling_repeats(runs):
+    first, second = runs["adaptive"]["sampled"]
+    assert sorted(first) == sorted(runner.SAMPLED)
+    assert all(len(t) == runner.SAMPLED_TOKENS for t in first.values())
+    assert first == second

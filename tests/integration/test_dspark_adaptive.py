@@ -1,0 +1,276 @@
+"""Adaptive verification's cut rule against a hand-written reference, and in the proposer.
+
+The reference (``reference_counts``) is the rule written out in plain Python with float64
+arithmetic: rank every eligible draft slot by its survival (the running product of its
+request's confidences), try every budget ``b`` and keep the one with the best expected
+tokens per unit of cost. The device rule (``draft_budget_mask``: sort, cumsum, argmax,
+scatter) must admit exactly the same drafts per request.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.spec_decode.dspark.adaptive import (
+    CUT,
+    ROW_COST_ENV,
+    VerifyCost,
+    apply_cut,
+    draft_budget_mask,
+    trim_cut,
+)
+
+
+def reference_counts(confidence, eligible, row_cost):
+    """Per request, how many leading drafts the throughput-best budget verifies."""
+    rows, k = len(confidence), len(confidence[0])
+    slots = []
+    for r in range(rows):
+        survival = 1.0
+        for j in range(k):
+            c = confidence[r][j]
+            c = 0.0 if math.isnan(c) else min(max(c, 0.0), 1.0)
+            survival *= c
+            if eligible[r]:
+                slots.append((survival, r * k + j, r))
+    slots.sort(key=lambda s: (-s[0], s[1]))
+    requests = sum(eligible)
+    best, best_value = 0, -1.0
+    for b in range(len(slots) + 1):
+        value = (requests + sum(s[0] for s in slots[:b])) / (1.0 + row_cost * (rows + b))
+        if value > best_value:
+            best, best_value = b, value
+    counts = [0] * rows
+    for _, _, r in slots[:best]:
+        counts[r] += 1
+    return counts
+
+
+def device_counts(confidence, eligible, row_cost):
+    conf = torch.tensor(confidence, dtype=torch.float32)
+    rows, k = conf.shape
+    keep = draft_budget_mask(
+        conf,
+        torch.tensor(eligible, dtype=torch.bool),
+        num_eligible=sum(eligible),
+        base_rows=rows,
+        cost_table=VerifyCost(row_cost).table(rows * (k + 1), "cpu"),
+    )
+    counts = keep.sum(1)
+    # The admitted drafts of each request are a prefix (survival never grows along it).
+    assert torch.equal(keep, torch.arange(k)[None, :] < counts[:, None])
+    return counts.tolist()
+
+
+def test_hand_computed_example():
+    """Survivals 0.9, 0.45 | 0.2, 0.18; cost 1 + 0.1 * rows over 2 base rows:
+    budgets 0..4 give 2/1.2, 2.9/1.3, 3.35/1.4 (best), 3.55/1.5, 3.73/1.6."""
+    conf = [[0.9, 0.5], [0.2, 0.9]]
+    assert reference_counts(conf, [True, True], 0.1) == [2, 0]
+    assert device_counts(conf, [True, True], 0.1) == [2, 0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches_match_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    rows, k = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+    # Confidences as the trained head gives them (high first slot, falling after).
+    conf = rng.beta(2, 3, size=(rows, k)).round(3).tolist()
+    eligible = (rng.random(rows) < 0.8).tolist()
+    row_cost = float(rng.choice([0.0, 0.01, 0.05, 0.2, 1.0]))
+    want = reference_counts(conf, eligible, row_cost)
+    assert device_counts(conf, eligible, row_cost) == want
+
+
+def test_rule_cuts_more_as_rows_get_dearer():
+    """A ragged batch in the middle, everything at zero cost, nothing when rows cost a lot."""
+    conf = [[0.95, 0.8, 0.3, 0.1], [0.6, 0.2, 0.9, 0.9], [0.1, 0.9, 0.9, 0.9]]
+    everyone = [True] * 3
+    assert device_counts(conf, everyone, 0.0) == [4, 4, 4]
+    middle = device_counts(conf, everyone, 0.05)
+    assert middle == reference_counts(conf, everyone, 0.05) and len(set(middle)) > 1
+    assert device_counts(conf, everyone, 50.0) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_edge_confidences(k):
+    rows = 3
+    ones, zeros = [[1.0] * k] * rows, [[0.0] * k] * rows
+    assert device_counts(ones, [True] * rows, 0.01) == [k] * rows
+    # Confidence 0: nothing is worth a row, every request is cut to 0 drafts.
+    assert device_counts(zeros, [True] * rows, 0.01) == [0] * rows
+    # NaN confidence counts as 0: never admitted, and nothing NaN comes out.
+    nan = [[float("nan")] * k, [1.0] * k, [0.5] * k]
+    assert device_counts(nan, [True] * rows, 0.01) == reference_counts(nan, [True] * rows, 0.01)
+    assert device_counts(nan, [True] * rows, 0.01)[0] == 0
+
+
+def test_ineligible_rows_keep_nothing_and_an_all_prefill_batch_keeps_nothing():
+    conf = [[1.0, 1.0], [0.9, 0.9], [1.0, 1.0]]
+    assert device_counts(conf, [True, False, False], 0.0) == [2, 0, 0]
+    assert device_counts(conf, [False, False, False], 0.0) == [0, 0, 0]
+
+
+def test_cut_marks_and_host_trim():
+    drafts = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]], dtype=torch.int32)
+    keep = torch.tensor([[True, True, False], [False, False, False], [True, True, True]])
+    cut = apply_cut(drafts, keep)
+    assert cut.tolist() == [[5, 6, CUT], [CUT, CUT, CUT], [11, 12, 13]]
+    assert trim_cut(cut.tolist()) == [[5, 6], [], [11, 12, 13]]
+
+
+@pytest.mark.parametrize("raw", ["abc", "-0.5", "nan", "1000"])
+def test_row_cost_from_the_environment_is_checked(monkeypatch, raw):
+    monkeypatch.setenv(ROW_COST_ENV, raw)
+    with pytest.raises(ValueError, match=ROW_COST_ENV):
+        VerifyCost.from_env()
+
+
+def test_row_cost_default_and_value(monkeypatch):
+    monkeypatch.delenv(ROW_COST_ENV, raising=False)
+    assert VerifyCost.from_env() == VerifyCost()
+    monkeypatch.setenv(ROW_COST_ENV, "0.25")
+    assert VerifyCost.from_env().row_cost == 0.25
+    assert VerifyCost(0.25).table(3, "cpu").tolist() == [1.0, 1.25, 1.5, 1.75]
+
+
+# --------------------------------------------------------------- in the proposer
+
+
+@pytest.fixture(scope="module")
+def env():
+    from tests.support.tiny import build_draft, ensure_tiny_model
+
+    return build_draft(ensure_tiny_model())
+
+
+def _step_inputs(proposer, seed):
+    """Three requests: two verify segments (k drafts each) and one prefill chunk."""
+    shape = proposer.model.shape
+    k = proposer.num_speculative_tokens
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [k + 1, 9, k + 1]
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = int(qsl[-1])
+    return dict(
+        req_ids=["a", "p", "b"],
+        query_start_loc_cpu=torch.from_numpy(qsl),
+        positions=torch.cat([torch.arange(n) + 20 for n in lengths]),
+        aux_hidden_states=torch.randn(rows, shape.hidden_size * len(shape.target_layer_ids),
+                                      generator=gen).to(torch.bfloat16),
+        num_rejected=torch.tensor([1, 0, 0]),
+        next_token_ids=torch.randint(0, shape.vocab_size, (3,), generator=gen),
+        num_draft_tokens=[k, 0, k],
+        prefilling=[False, True, False],
+    )
+
+
+@pytest.mark.parametrize("row_cost", ["0.0", "0.05", "100"])
+def test_proposer_cuts_the_fixed_k_drafts_as_the_rule_says(env, monkeypatch, row_cost):
+    """Same step, fixed k vs adaptive: adaptive returns a prefix of the same drafts per
+    request, as long as the reference rule admits on the step's confidences."""
+    from tests.support.tiny import make_proposer
+
+    draft, vc = env
+    monkeypatch.setenv(ROW_COST_ENV, row_cost)
+    fixed = make_proposer(draft, vc, max_num_seqs=4)
+    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    want_drafts = fixed.propose(**_step_inputs(fixed, 3))
+    got = adaptive.propose(**_step_inputs(adaptive, 3))
+    confidence = adaptive.last_confidence.float()
+    torch.testing.assert_close(confidence, fixed.last_confidence.float(), rtol=0, atol=0)
+    counts = reference_counts(confidence.tolist(), [True, False, True], float(row_cost))
+    for r, n in enumerate(counts):
+        assert got[r, :n].tolist() == want_drafts[r, :n].tolist()
+        assert got[r, n:].tolist() == [CUT] * (got.shape[1] - n)
+    assert counts[1] == 0  # the prefill chunk's drafts are never admitted
+
+
+def test_adaptive_needs_sync_scheduling(env):
+    from tests.support.tiny import make_proposer
+
+    draft, vc = env
+    vc.scheduler_config.async_scheduling = True
+    try:
+        with pytest.raises(ValueError, match="async_scheduling"):
+            make_proposer(draft, vc, adaptive=True)
+    finally:
+        vc.scheduler_config.async_scheduling = False
+
+
+# ------------------------------------------------------------------ the recipe knob
+
+
+def _profile(name: str, **speculative) -> dict:
+    import copy
+
+    from scripts import recipe
+
+    profile = copy.deepcopy(recipe.load_profile(name))
+    profile["speculative"].update(speculative)
+    return profile
+
+
+@pytest.mark.parametrize(
+    "name,speculative,serving,message",
+    [
+        ("cpu-tiny", {"adaptive": "yes"}, {}, "speculative.adaptive: expected bool, got str"),
+        ("spark-2x", {"adaptive": True}, {"async_scheduling": True},
+         "speculative.adaptive: true on the overlay runner needs serving.async_scheduling: false"),
+        ("spark-2x-upstream", {"adaptive": True}, {"enforce_eager": True},
+         "speculative.adaptive: true on the upstream runner needs full CUDA graphs"),
+    ],
+    ids=["not a bool", "overlay with async scheduling", "upstream eager"],
+)
+def test_recipe_rejects_bad_adaptive_settings(name, speculative, serving, message):
+    from scripts import recipe
+
+    profile = _profile(name, **speculative)
+    profile["serving"].update(serving)
+    with pytest.raises(recipe.RecipeError) as err:
+        recipe.validate(profile)
+    assert message in str(err.value)
+
+
+def test_recipe_knob_is_rendered_as_vllms_own_field():
+    import json
+
+    from scripts import recipe
+
+    for adaptive in (False, True):
+        profile = recipe.validate(_profile("cpu-tiny", adaptive=adaptive))
+        spec = recipe.engine_args(profile)["speculative_config"]
+        assert spec["enable_adaptive_verification"] is adaptive
+        argv = recipe.serve_argv(profile)
+        rendered = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert rendered["enable_adaptive_verification"] is adaptive
+    missing = _profile("cpu-tiny")
+    del missing["speculative"]["adaptive"]
+    with pytest.raises(recipe.RecipeError, match="speculative.adaptive: missing"):
+        recipe.validate(missing)
+
+
+def test_vllm_v1_config_accepts_adaptive_dspark_without_cuda_graphs():
+    """The overlay's config patch: V1 + DSpark + enable_adaptive_verification + eager."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig
+
+    fake = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            enable_adaptive_verification=True, method="dspark"
+        ),
+        lora_config=None,
+        use_v2_model_runner=False,
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(has_full_cudagraphs=lambda: False)
+        ),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+    )
+    VllmConfig._validate_adaptive_verification(fake)
+    fake.speculative_config.method = "eagle"
+    with pytest.raises(ValueError, match="full CUDA graphs"):
+        VllmConfig._validate_adaptive_verification(fake)
