@@ -93,7 +93,15 @@ def collect_traces(
     from vllm import LLM, SamplingParams
 
     longest = max(len(p) for p in prompts) + gen_len
-    llm = LLM(**{**engine_kwargs, "max_num_batched_tokens": max(longest, 256)})
+    # No prefix caching: the second pass must compute every row of the sequence, not only
+    # those past the blocks its first pass cached (a sequence over one 256-token block).
+    llm = LLM(
+        **{
+            **engine_kwargs,
+            "max_num_batched_tokens": max(longest, 256),
+            "enable_prefix_caching": False,
+        }
+    )
     recorders = llm.apply_model(lambda model: _Recorder(model, layer_ids))
     recorder = recorders[0]
     greedy = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
