@@ -71,6 +71,11 @@ INDEX_TOPK = 512
 VALID_RATIOS = (0, 1, 4, 128)
 # The published checkpoint has no n_mtp_layers key and 3 draft stages (the loaders' default).
 REAL_STAGES = 3
+# The embedding's scale against the layers' updates in the residual stream. At 2 the greedy continuation mostly follows the current token (measured:
+# a previous-token table predicts ~68% of the target's greedy tokens, against ~46% at 1)
+# while attention and MoE still decide the rest (~119 of 160 generated tokens distinct): a
+# structured sequence a small draft can learn, with enough misses to reject drafts.
+EMBED_STD = 2.0
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -412,7 +417,7 @@ def build_tensors(cfg: dict, seed: int, log, n_mtp: int = 0) -> dict:
     init = _Init(seed)
     H, V = cfg["hidden_size"], cfg["vocab_size"]
     L = cfg["num_hidden_layers"]
-    tensors = {"embed.weight": init.normal((V, H), 1.0)}
+    tensors = {"embed.weight": init.normal((V, H), EMBED_STD)}
     for i in range(L):
         log(f"  layer {i}: compress_ratio {cfg['compress_ratios'][i]}")
         tensors.update(
@@ -448,7 +453,8 @@ def draft_tensors(init: _Init, cfg: dict, n_mtp: int, log=lambda *a: None) -> di
     return tensors
 
 
-def _corpus(seed: int) -> list[str]:
+def corpus_lines(seed: int) -> list[str]:
+    """The synthetic text the tokenizer is trained on (also text-like prompts)."""
     rng = random.Random(seed)
     words = sorted({"".join(rng.choices(_SYLLABLES, k=rng.randint(1, 4))) for _ in range(600)})
     lines = _SEED_TEXT.splitlines()
@@ -482,7 +488,7 @@ def write_tokenizer(out: Path, vocab_size: int, seed: int, max_len: int) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(corpus_lines(seed), trainer=trainer)
     for i, s in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(s) != i:
             raise RuntimeError(f"special token {s!r} got id {tok.token_to_id(s)}, expected {i}")

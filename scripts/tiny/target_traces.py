@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Trace", "collect_traces", "collect_traces_in_child", "random_prompts"]
+__all__ = ["Trace", "collect_traces", "collect_traces_in_child", "random_prompts", "text_prompts"]
 
 
 @dataclass
@@ -40,6 +40,24 @@ def random_prompts(seed: int, count: int, vocab: int, first_id: int, bos: int) -
         [bos] + [rng.randrange(first_id, vocab) for _ in range(rng.randint(4, 40))]
         for _ in range(count)
     ]
+
+
+def text_prompts(seed: int, count: int, lines: list[str], encode, bos: int) -> list[list[int]]:
+    """``count`` prompts of 1..300 tokens of text after BOS, a pure function of ``seed``.
+
+    ``lines`` are joined in a seeded order and cut at a seeded length; ``encode`` maps a
+    string to token ids (no special tokens). Prompts like the demo's and a chat's, where
+    the random-token ones are unlike anything served.
+    """
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        length = rng.randint(1, 300)
+        ids: list[int] = []
+        while len(ids) < length:
+            ids += encode(rng.choice(lines) + " ")
+        out.append([bos] + ids[: length - 1])
+    return out
 
 
 class _Recorder:
@@ -75,7 +93,15 @@ def collect_traces(
     from vllm import LLM, SamplingParams
 
     longest = max(len(p) for p in prompts) + gen_len
-    llm = LLM(**{**engine_kwargs, "max_num_batched_tokens": max(longest, 256)})
+    # No prefix caching: the second pass must compute every row of the sequence, not only
+    # those past the blocks its first pass cached (a sequence over one 256-token block).
+    llm = LLM(
+        **{
+            **engine_kwargs,
+            "max_num_batched_tokens": max(longest, 256),
+            "enable_prefix_caching": False,
+        }
+    )
     recorders = llm.apply_model(lambda model: _Recorder(model, layer_ids))
     recorder = recorders[0]
     greedy = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)

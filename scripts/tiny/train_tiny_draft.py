@@ -4,7 +4,10 @@
 The tiny target has random weights, so the draft written by ``make_tiny_model.py`` never
 guesses right. This trains the draft's stages (``mtp.*``: projection, decoder layers, head
 stack), its Markov head and its confidence head against that target, with DSpark's
-objective, on sequences the target itself generates (``target_traces``):
+objective, on sequences the target itself generates (``target_traces``) from two kinds of
+prompt, half each by default: random tokens, and text (the tokenizer's synthetic corpus,
+like what the demo and a chat send, whose first continuations differ from a random
+prompt's):
 
 * blocks ``[anchor, noise x (N-1)]`` at random anchors of the generated part of each
   sequence; slot k is trained towards the target's distribution at position ``p+k``;
@@ -67,6 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=128, help="blocks per training step")
     p.add_argument("--step-sequences", type=int, default=8, help="sequences the blocks come from")
     p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument(
+        "--text-share",
+        type=float,
+        default=0.5,
+        help="share of the training and held-out sequences whose prompt is text (the "
+        "tokenizer's synthetic corpus, 1..300 tokens); the rest start from random tokens",
+    )
     # DSpark weighs 0.1 CE + 0.9 L1(p_draft - p_target): its drafts are verified by rejection
     # sampling, where the whole distribution counts. The tiny demo verifies greedily, where
     # only the argmax does: CE leads (measured: 2x the first-slot acceptance early on).
@@ -89,13 +99,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in (*SIZES, "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.text_share <= 1.0:
+        p.error(f"--text-share must be in [0, 1], got {args.text_share}")
     if not (args.model / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json (run make_tiny_model.py --dspark first)")
     return args
 
 
 def settings(args) -> dict:
-    keys = ("seed", *SIZES, "lr", "ce_weight", "l1_weight")
+    keys = ("seed", *SIZES, "lr", "text_share", "ce_weight", "l1_weight")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -285,6 +297,32 @@ def train(args, cfg, tensors, train_corpus, bar):
     return twin, log
 
 
+def training_prompts(args, cfg: dict, model_dir: Path) -> list[list[int]]:
+    """The training prompts then the held-out ones, each set ``--text-share`` text."""
+    from tokenizers import Tokenizer
+
+    from scripts.tiny.make_tiny_model import corpus_lines
+    from scripts.tiny.target_traces import random_prompts, text_prompts
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = int(cfg["bos_token_id"])
+    splits = [(args.sequences, round(args.sequences * args.text_share))]
+    splits.append((args.held_out, round(args.held_out * args.text_share)))
+    rand = random_prompts(
+        args.seed, sum(n - t for n, t in splits), int(cfg["vocab_size"]), FIRST_ORDINARY_ID, bos
+    )
+    text = text_prompts(
+        args.seed,
+        sum(t for _, t in splits),
+        corpus_lines(args.seed),
+        lambda s: tokenizer.encode(s, add_special_tokens=False).ids,
+        bos,
+    )
+    (n_train, t_train), _ = splits
+    r_train = n_train - t_train
+    return rand[:r_train] + text[:t_train] + rand[r_train:] + text[t_train:]
+
+
 def cached_traces(path: Path | None, prompts: list[list[int]], gen_len: int):
     """Traces saved by an earlier run for exactly these prompts and length, else None."""
     import torch
@@ -345,7 +383,7 @@ def main(argv=None) -> int:
     from safetensors.torch import load_file
     from tqdm import tqdm
 
-    from scripts.tiny.target_traces import collect_traces_in_child, random_prompts
+    from scripts.tiny.target_traces import collect_traces_in_child
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     quantized = sorted(
@@ -363,9 +401,7 @@ def main(argv=None) -> int:
     torch.set_flush_denormal(True)  # Adam's second moments of tiny gradients, else 10x slower
     t0 = time.monotonic()
     total = args.sequences + args.held_out
-    prompts = random_prompts(
-        args.seed, total, int(cfg["vocab_size"]), FIRST_ORDINARY_ID, int(cfg["bos_token_id"])
-    )
+    prompts = training_prompts(args, cfg, model_dir)
     engine = {
         "model": str(model_dir),
         "dtype": "bfloat16",

@@ -14,7 +14,7 @@ import torch
 
 from scripts.tiny import train_tiny_draft as ttd
 from scripts.tiny.draft_twin import TwinBlock
-from scripts.tiny.target_traces import Trace
+from scripts.tiny.target_traces import Trace, random_prompts, text_prompts
 
 N, V, W, H = 4, 32, 8, 6
 
@@ -127,3 +127,37 @@ def test_bad_arguments_name_the_option(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ttd.parse_args(["--model", str(tmp_path), "--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ttd.parse_args(["--model", str(tmp_path), "--text-share", "1.5"])
+    assert "--text-share must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_text_prompts_are_seeded_bos_led_cuts_of_the_lines():
+    lines = ["ab", "cde", "f"]
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731
+    first = text_prompts(3, 20, lines, encode, bos=0)
+    assert first == text_prompts(3, 20, lines, encode, bos=0)
+    assert first != text_prompts(4, 20, lines, encode, bos=0)
+    assert all(p[0] == 0 and 1 <= len(p) <= 300 for p in first)
+    assert len({len(p) for p in first}) > 10
+    words = {ord(c) for c in "abcdef "}
+    assert all(set(p[1:]) <= words for p in first)
+
+
+def test_training_then_held_out_prompts_each_split_by_text_share(tmp_path):
+    from tokenizers import Tokenizer
+
+    from scripts.tiny import make_tiny_model
+
+    make_tiny_model.write_tokenizer(tmp_path, 1024, 0, 4096)
+    (tmp_path / "config.json").write_text("{}")
+    cfg = {"vocab_size": 1024, "bos_token_id": 0}
+    args = ttd.parse_args(["--model", str(tmp_path), "--sequences", "8", "--held-out", "4"])
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    rand = random_prompts(0, 6, 1024, ttd.FIRST_ORDINARY_ID, 0)
+    encode = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    text = text_prompts(0, 6, make_tiny_model.corpus_lines(0), encode, 0)
+    want = rand[:4] + text[:4] + rand[4:] + text[4:]  # training, then held-out
+    assert ttd.training_prompts(args, cfg, tmp_path) == want
+    none = ttd.parse_args(["--model", str(tmp_path), "--sequences", "8", "--text-share", "0"])
+    assert ttd.training_prompts(none, cfg, tmp_path) == random_prompts(0, 40, 1024, 9, 0)

@@ -23,8 +23,9 @@ counters and, for greedy phases, the oracle's report:
 - ``churn``: requests finish at different times, arrive mid-run and one is aborted, with
   more requests in total than ring rows (slot reuse) and batch condensation (reorder).
 - ``sampled``: requests at temperature 0.9; their draft distributions reach the sampler.
-- ``lossy``: a deliberately broken rejection sampler that accepts a first draft the target
-  rejected, a few times: the oracle must report those tokens as violations.
+- ``lossy``: a deliberately broken rejection sampler that, where the target rejected a first
+  draft, emits the target's least likely token, a few times: the oracle must report those
+  tokens as violations.
 
 ``step`` starts a DSpark engine and runs two requests through their first decode steps
 (no target: the ISA-cap guard only needs the engine to run).
@@ -263,20 +264,27 @@ def reorders(steps) -> int:
 
 
 def lossy_sampler(sampler, torch, budget: int) -> dict:
-    """Break ``sampler``: where the target rejected a request's first draft, accept it
-    (one row per call, ``budget`` times in all). Returns the substitution counter."""
+    """Break ``sampler``: where the target rejected a request's first draft, emit the
+    target's least likely token there instead of its correction (one row per call,
+    ``budget`` times in all). Returns the substitution counter.
+
+    Not the rejected draft itself: a trained draft's rejected tokens are mostly near-misses,
+    within the oracle's epsilon of the best on this flat random target (measured: none of
+    them more than 2 epsilon below), so the oracle could not be shown to see them."""
     original = sampler.forward
     state = {"substituted": 0}
 
     def forward(metadata, draft_probs, logits, sampling_metadata):
+        # Before the sampler runs: it may update ``logits`` in place.
+        worst = logits[metadata.target_logits_indices].argmin(-1)
         out = original(metadata, draft_probs, logits, sampling_metadata)
         ids = out.sampled_token_ids
         start = 0
         for r, n in enumerate(metadata.num_draft_tokens):
             first = int(metadata.draft_token_ids[start]) if n else None
             if n and state["substituted"] < budget and int(ids[r, 0]) != first:
-                ids[r, 0] = first
-                ids[r, 1:] = -1  # nothing after it: the accepted draft is this step's token
+                ids[r, 0] = worst[start]
+                ids[r, 1:] = -1  # nothing after it: the wrong token is this step's token
                 state["substituted"] += 1
                 break
             start += n
@@ -406,7 +414,7 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
         )
     result["sampled"]["rerun"], _, _ = drive(engine, lambda _: None)
 
-    # --- lossy: a broken sampler accepts rejected drafts; the oracle must notice -------
+    # --- lossy: a broken sampler emits rejected tokens; the oracle must notice ----------
     sampler = engine.collective_rpc(lambda worker: worker.model_runner.rejection_sampler)[0]
     state = lossy_sampler(sampler, torch, LOSSY_SUBSTITUTIONS)
     lossy = [f"X{i}" for i in range(len(LOSSY))]
