@@ -13,7 +13,7 @@
    step counts, vLLM's acceptance length and per-position acceptance, and tokens/s with and
    without speculation. Exits 1 only on a real violation.
 
-Usage: python -m scripts.demo [--profile cpu-tiny] [--model DIR] [--max-tokens 32]
+Usage: python -m scripts.demo [--profile cpu-tiny] [--model DIR] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu-tiny", help="recipe profile (engine settings)")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: profile's)")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
 
     profile = recipe.load_profile(args.profile)
