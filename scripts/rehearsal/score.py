@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM
 
     from scripts import recipe
-    from scripts.teacher_forcing import teacher_force
+    from scripts.verify.teacher_forcing import teacher_force
 
     load = json.loads(args.load.read_text())
     greedy = [r for r in load["requests"] if r["greedy"] and "output" in r]

@@ -1,4 +1,4 @@
-"""Tests for the DSpark Markov head loop (overlay/.../common/dspark_markov.py).
+"""Tests for the DSpark Markov head loop (overlay/.../common/dspark/markov.py).
 
 Loaded by path (pure torch, no vLLM import); every result is checked against a hand-written
 per-request, per-slot loop in float64 written from the module's docstring contract.

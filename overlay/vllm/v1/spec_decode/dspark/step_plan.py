@@ -8,7 +8,7 @@ index tensors to the device in one copy. The device half (the store, the window 
 the draft block) reads the plan's tensors and never reads device data back: the
 rejection counts, positions and hidden states stay on the device.
 
-Pure torch + numpy: importable without vLLM (``scripts/gpu_check.py`` runs it on a GPU).
+Pure torch + numpy: importable without vLLM (``scripts/dev/gpu_check.py`` runs it on a GPU).
 """
 
 from __future__ import annotations
