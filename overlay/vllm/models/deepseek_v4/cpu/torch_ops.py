@@ -314,6 +314,9 @@ def register_missing_kernels(
         for name in missing:
             library.define(schemas[name])
             library.impl(name, impls[name], "CPU")
+            # The same pure-torch code on meta tensors: shapes for torch.compile's fake
+            # tensors (the native kernels come with theirs), so the draft block still traces.
+            library.impl(name, impls[name], "Meta")
         _LIBRARIES.append(library)
         registered.extend(missing)
     return registered
