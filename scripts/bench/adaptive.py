@@ -1,20 +1,28 @@
-"""Fixed k vs confidence-scheduled (adaptive) verification in real vLLM on CPU, same run.
+"""Fixed k vs confidence-scheduled (adaptive) verification in real vLLM on CPU, paired.
 
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m scripts.bench.adaptive \\
-        [--repeats 3] [--rounds 1] [--max-tokens 32] [--row-cost X]
+        [--pairs 16] [--requests 8 16] [--max-tokens 64] [--row-cost X] \\
+        [--row-cost-scales 1 3]
 
-The cpu-tiny profile's engine (V1 runner, trained tiny draft, k=4, 64-token chunked
-prefill) decodes the same 8 greedy prompts (1 to 300 tokens) with fixed k and with
-``enable_adaptive_verification``; each configuration runs in its own process (one vLLM
-engine per process), fixed first, the two alternating for ``--rounds``. Per timed repeat:
-tokens/s (output tokens over the wall time of the engine steps) and verified rows per
-emitted token (draft rows verified plus one sampled row per request and step, over the
-output tokens). Medians of the repeats, adaptive / fixed ratios.
+The cpu-tiny profile's engine (V1 runner, trained tiny draft, k=4, 256-token step budget,
+``enable_adaptive_verification`` on) decodes the same greedy prompts (1 to 300
+tokens) in passes that alternate between fixed k and adaptive inside one engine: for a
+fixed-k pass the benchmark replaces the proposer's cut (``_cut``) by the identity, which
+is what an engine with adaptive off runs (the runner's trim then finds nothing to trim).
+Comparing within one process matters on CPU: separate engine processes differed by up to
+3x in tokens/s on a shared machine, far more than adaptive changes. Pairs run in ABBA
+order so a drift in machine speed cancels.
+
+Per pass: tokens/s (output tokens over the wall time of the engine steps) and verified
+rows per emitted token (draft rows verified plus one sampled row per request and step,
+over the output tokens). Per pair the adaptive / fixed ratio; the median ratio over pairs
+with a bootstrap 95% interval, for each concurrency in ``--requests`` (``max_num_seqs``)
+and each multiple of the row cost in ``--row-cost-scales``.
 
 The row cost the cut rule uses (``DSPARK_VERIFY_ROW_COST``: a verify row's cost as a
-fraction of a step's fixed cost) is, unless ``--row-cost`` is given, fitted from the
-steps of the first fixed-k run and of a calibration run of adaptive at the
-default row cost (``fit_row_cost``), then used by every adaptive run. Writes ``bench-results/adaptive.json`` and ``.png``.
+fraction of a step's fixed cost) is, unless ``--row-cost`` is given, fitted once from
+the steps of a short calibration engine at the default row cost (``fit_row_cost``), then
+used by every measured engine. Writes ``bench-results/adaptive.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -44,32 +52,40 @@ ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 ROW_COST_ENV = "DSPARK_VERIFY_ROW_COST"  # read by the proposer (dspark/adaptive.py)
+MODES = ("fixed", "adaptive")
 
 
-def prompts() -> list[list[int]]:
+def prompts(num_requests: int) -> list[list[int]]:
     rng = random.Random(1234)
-    return [[rng.randrange(9, 1000) for _ in range(n)] for n in PROMPT_LENS]
+    lens = [PROMPT_LENS[i % len(PROMPT_LENS)] for i in range(num_requests)]
+    return [[rng.randrange(9, 1000) for _ in range(n)] for n in lens]
 
 
 # ------------------------------------------------------------------ one engine (child)
 
 
-def worker(adaptive: bool, repeats: int, max_tokens: int) -> dict[str, Any]:
-    """Warm up, then ``repeats`` timed passes over the prompts; per-step (rows, ms) too."""
+def worker(pairs: int, max_tokens: int, num_requests: int) -> dict[str, Any]:
+    """Warm up both modes, then ``pairs`` fixed/adaptive pairs of timed passes (ABBA)."""
     import numpy as np
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    kwargs = recipe.engine_args(recipe.load_profile("cpu-tiny"), demo=True)
+    # The profile's own 256-token step budget (not the demo's 64-token chunks): decoding
+    # requests, not a starved prefill, fill the steps.
+    kwargs = recipe.engine_args(recipe.load_profile("cpu-tiny"))
     kwargs["seed"] = 0
+    kwargs["max_num_seqs"] = num_requests
     kwargs["speculative_config"] = {
         **kwargs["speculative_config"],
-        "enable_adaptive_verification": adaptive,
+        "enable_adaptive_verification": True,
     }
     engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
     drafter = engine.collective_rpc(lambda w: w.model_runner.drafter)[0]
-    step_rows: list[int] = []
+    if not drafter.adaptive:
+        sys.exit("the engine did not turn adaptive verification on")
+    adaptive_cut = drafter._cut
+    step_rows: list[tuple[int, int, int]] = []
     propose = drafter.propose
 
     def counting(**kw):
@@ -83,11 +99,14 @@ def worker(adaptive: bool, repeats: int, max_tokens: int) -> dict[str, Any]:
 
     drafter.propose = counting
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    runs, samples = [], []
-    for repeat in range(repeats + 1):  # the first pass warms up and is not reported
+    batch = prompts(num_requests)
+
+    def one_pass(mode: str, tag: str, samples: list | None) -> dict[str, Any]:
+        # Fixed k: the cut becomes the identity, as in an engine with adaptive off.
+        drafter._cut = adaptive_cut if mode == "adaptive" else (lambda plan, drafts: drafts)
         drafter.reset_counters()
-        for i, ids in enumerate(prompts()):
-            engine.add_request(f"r{repeat}-{i}", {"prompt_token_ids": ids}, params)
+        for i, ids in enumerate(batch):
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
         output_tokens, seconds = 0, 0.0
         while engine.has_unfinished_requests():
             before = len(step_rows)
@@ -95,47 +114,55 @@ def worker(adaptive: bool, repeats: int, max_tokens: int) -> dict[str, Any]:
             outs = engine.step()
             ms = (time.perf_counter() - t0) * 1e3
             seconds += ms / 1e3
-            if repeat and len(step_rows) == before + 1:
-                samples.append((*step_rows[-1], ms))
+            if samples is not None and len(step_rows) == before + 1:
+                samples.append((*step_rows[-1], ms, MODES.index(mode)))
             output_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         c = drafter.counters
-        if repeat:
-            sampled_rows = output_tokens - c.accepted_tokens  # one per request and step
-            runs.append(
-                {
-                    "seconds": seconds,
-                    "output_tokens": output_tokens,
-                    "tok_s": output_tokens / seconds,
-                    "verified_drafts": c.verified_tokens,
-                    "accepted_drafts": c.accepted_tokens,
-                    "rows_per_token": (c.verified_tokens + sampled_rows) / output_tokens,
-                    "acceptance_length": output_tokens / sampled_rows,
-                }
-            )
-    return {"adaptive": drafter.adaptive, "runs": runs, "step_samples": samples}
+        sampled_rows = output_tokens - c.accepted_tokens  # one per request and step
+        return {
+            "mode": mode,
+            "seconds": seconds,
+            "output_tokens": output_tokens,
+            "tok_s": output_tokens / seconds,
+            "verified_drafts": c.verified_tokens,
+            "accepted_drafts": c.accepted_tokens,
+            "rows_per_token": (c.verified_tokens + sampled_rows) / output_tokens,
+            "acceptance_length": output_tokens / sampled_rows,
+        }
+
+    for mode in MODES:  # warm-up, not reported
+        one_pass(mode, f"warm-{mode}", None)
+    samples: list[tuple[int, int, int, float, int]] = []  # ..., ms, 1 if adaptive
+    result: list[dict[str, Any]] = []
+    for p in range(pairs):
+        order = MODES if p % 2 == 0 else MODES[::-1]  # ABBA: a drift in speed cancels
+        runs = {mode: one_pass(mode, f"p{p}-{mode}", samples) for mode in order}
+        result.append(runs)
+    return {"pairs": result, "step_samples": samples}
 
 
 # ------------------------------------------------------------------------ parent
 
 
-def run_child(adaptive: bool, args, row_cost: float | None) -> dict[str, Any]:
+def run_child(args, num_requests: int, pairs: int, row_cost: float | None) -> dict[str, Any]:
     env = {**os.environ, **ENGINE_ENV}
+    env.pop(ROW_COST_ENV, None)
     if row_cost is not None:
         env[ROW_COST_ENV] = str(float(row_cost))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
         cmd = [sys.executable, "-m", "scripts.bench.adaptive", "--worker",
-               "adaptive" if adaptive else "fixed", "--child-out", str(out),
-               "--repeats", str(args.repeats), "--max-tokens", str(args.max_tokens)]
+               "--child-out", str(out), "--pairs", str(pairs),
+               "--requests", str(num_requests), "--max-tokens", str(args.max_tokens)]
         proc = subprocess.run(cmd, cwd=recipe.REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            sys.exit(f"{'adaptive' if adaptive else 'fixed'} run failed:\n{proc.stderr[-4000:]}")
+            sys.exit(f"engine with {num_requests} requests failed:\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 
 def fit_row_cost(samples: list[tuple[int, int, int, float]]) -> dict[str, float]:
     """Step time ``ms = a + c * requests + b * verify rows + p * prefill rows`` by least
-    squares over the steps of a fixed-k and an adaptive run (fixed k alone has verify rows
+    squares over the steps of fixed-k and adaptive passes (fixed k alone has verify rows
     = requests x (k+1) and cannot tell the two apart); steps over 3x the median time (a
     stray stall of a shared machine) are left out. The cut rule's row cost is ``b`` over
     the fixed part of a step at the mean request count, clipped to [0, 100]."""
@@ -158,9 +185,31 @@ def fit_row_cost(samples: list[tuple[int, int, int, float]]) -> dict[str, float]
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
-    keys = ("tok_s", "rows_per_token", "acceptance_length", "verified_drafts")
-    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"repeats": len(runs)}
+def median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of ``values`` and a percentile-bootstrap 95% interval for it (seeded)."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return (statistics.median(values), medians[int(0.025 * resamples)],
+            medians[int(0.975 * resamples) - 1])
+
+
+def summarize(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Medians per mode, and per-pair adaptive / fixed ratios with their interval."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        runs = [pair[mode] for pair in pairs]
+        out[mode] = {k: statistics.median(r[k] for r in runs)
+                     for k in ("tok_s", "rows_per_token", "acceptance_length", "verified_drafts")}
+    for key in ("tok_s", "rows_per_token"):
+        ratios = [pair["adaptive"][key] / pair["fixed"][key] for pair in pairs]
+        median, low, high = median_interval(ratios)
+        out[f"ratio_{key}"] = {"median": median, "ci95": [low, high], "per_pair": ratios,
+                               "adaptive_not_worse": sum(r >= 1.0 for r in ratios)
+                               if key == "tok_s" else sum(r <= 1.0 for r in ratios)}
+    out["pairs"] = len(pairs)
+    return out
 
 
 def cpu_name() -> str:
@@ -175,17 +224,30 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fixed, adaptive = result["fixed"], result["adaptive"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
-    for ax, key, label in ((axes[0], "tok_s", "output tokens/s"),
-                           (axes[1], "rows_per_token", "verified rows per emitted token")):
-        bars = ax.bar(["fixed k", "adaptive"], [fixed[key], adaptive[key]],
-                      color=["tab:gray", "tab:blue"])
-        ax.bar_label(bars, fmt="%.2f")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label} (adaptive/fixed {result['ratio'][key]:.2f}x)", fontsize=9)
-    fig.suptitle(f"DSpark adaptive verification, cpu-tiny, row cost "
-                 f"{result['row_cost']:.4f}, {result['cpu']}", fontsize=9)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    settings = result["settings"]
+    scales = sorted({s["row_cost_scale"] for s in settings})
+    colors = dict(zip(scales, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    for ax, key, label in ((axes[0], "tok_s", "tokens/s, adaptive / fixed"),
+                           (axes[1], "rows_per_token", "verified rows per token, adaptive / fixed")):
+        for i, s in enumerate(settings):
+            ratio, scale = s[f"ratio_{key}"], s["row_cost_scale"]
+            x = s["requests"] + 0.6 * (scales.index(scale) - (len(scales) - 1) / 2)
+            ax.scatter([x] * len(ratio["per_pair"]), ratio["per_pair"], s=10,
+                       color=colors.get(scale, "tab:gray"), alpha=0.35)
+            low, high = ratio["ci95"]
+            ax.errorbar([x], [ratio["median"]],
+                        yerr=[[ratio["median"] - low], [high - ratio["median"]]], fmt="o",
+                        color=colors.get(scale, "tab:gray"), capsize=4,
+                        label=f"row cost {s['row_cost']:.4f} ({scale:g}x fitted)"
+                        if s["requests"] == settings[0]["requests"] else None)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(sorted({s["requests"] for s in settings}))
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(label, fontsize=9)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"DSpark adaptive verification vs fixed k=4, cpu-tiny, {result['cpu']}: "
+                 "per pair (dots), median and 95% interval", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -193,43 +255,54 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes per engine")
-    ap.add_argument("--rounds", type=int, default=1, help="fixed/adaptive engine pairs")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--row-cost", type=float, help="default: fitted from the first fixed run")
+    ap.add_argument("--pairs", type=int, default=16, help="fixed/adaptive pass pairs per engine")
+    ap.add_argument("--requests", type=int, nargs="+", default=[8, 16],
+                    help="concurrent requests (max_num_seqs), one engine each")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--row-cost", type=float, help="default: fitted by a calibration engine")
+    ap.add_argument("--row-cost-scales", type=float, nargs="+", default=[1.0, 3.0],
+                    help="also run at these multiples of the row cost (3: a row 3x as "
+                         "costly as measured, what the cut does where rows cost more)")
     ap.add_argument("--out", type=Path, default=OUT_DIR / "adaptive.json")
-    ap.add_argument("--worker", choices=("fixed", "adaptive"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.rounds < 1 or args.max_tokens < 1:
-        ap.error("--repeats, --rounds and --max-tokens must be at least 1")
+    if args.pairs < 1 or args.max_tokens < 1 or min(args.requests) < 1:
+        ap.error("--pairs, --requests and --max-tokens must be at least 1")
     if args.row_cost is not None and not 0.0 <= args.row_cost <= 100.0:
         ap.error(f"--row-cost: expected a number in [0, 100], got {args.row_cost}")
+    if min(args.row_cost_scales) < 0:
+        ap.error("--row-cost-scales: expected numbers >= 0")
     if args.worker:
-        result = worker(args.worker == "adaptive", args.repeats, args.max_tokens)
+        result = worker(args.pairs, args.max_tokens, args.requests[0])
         args.child_out.write_text(json.dumps(result))
         return 0
 
-    runs: dict[str, list] = {"fixed": [], "adaptive": []}
     row_cost, fit = args.row_cost, None
-    for round_ in range(args.rounds):
-        fixed = run_child(False, args, row_cost)
-        if row_cost is None:
-            # Calibration: an adaptive run at the default row cost gives ragged steps.
-            ragged = run_child(True, args, None)
-            fit = fit_row_cost(fixed["step_samples"] + ragged["step_samples"])
-            row_cost = fit["row_cost"]
-            print(f"fitted verify step: {fit['fixed_ms']:.2f} ms + {fit['ms_per_request']:.3f} "
-                  f"ms/request + {fit['ms_per_verify_row']:.3f} ms/verify row -> row cost {row_cost:.4f}")
-        adaptive = run_child(True, args, row_cost)
-        if fixed["adaptive"] or not adaptive["adaptive"]:
-            sys.exit("the engines did not run the configurations asked for")
-        runs["fixed"] += fixed["runs"]
-        runs["adaptive"] += adaptive["runs"]
-        print(f"round {round_ + 1}/{args.rounds}: fixed "
-              f"{statistics.median(r['tok_s'] for r in fixed['runs']):.1f} tok/s, adaptive "
-              f"{statistics.median(r['tok_s'] for r in adaptive['runs']):.1f} tok/s")
-    fixed_s, adaptive_s = summarize(runs["fixed"]), summarize(runs["adaptive"])
+    if row_cost is None:
+        # Calibration at the default row cost: adaptive passes give ragged steps to fit on.
+        calibration = run_child(args, max(args.requests), 2, None)
+        fit = fit_row_cost(calibration["step_samples"])
+        row_cost = fit["row_cost"]
+        print(f"fitted verify step: {fit['fixed_ms']:.2f} ms + {fit['ms_per_request']:.3f} "
+              f"ms/request + {fit['ms_per_verify_row']:.3f} ms/verify row -> row cost "
+              f"{row_cost:.4f}")
+    settings = []
+    for n in args.requests:
+        for scale in args.row_cost_scales:
+            cost = min(row_cost * scale, 100.0)
+            s = summarize(run_child(args, n, args.pairs, cost)["pairs"])
+            s |= {"requests": n, "row_cost": cost, "row_cost_scale": scale}
+            settings.append(s)
+            t, r = s["ratio_tok_s"], s["ratio_rows_per_token"]
+            print(f"{n:3d} requests, row cost {cost:.4f} ({scale:g}x): tok/s "
+                  f"{s['fixed']['tok_s']:.1f} -> {s['adaptive']['tok_s']:.1f}, ratio "
+                  f"{t['median']:.3f}x [{t['ci95'][0]:.3f}, {t['ci95'][1]:.3f}] "
+                  f"({t['adaptive_not_worse']}/{s['pairs']} pairs >= 1); rows/token "
+                  f"{s['fixed']['rows_per_token']:.3f} -> {s['adaptive']['rows_per_token']:.3f}"
+                  f" ({r['median']:.3f}x); acceptance length "
+                  f"{s['fixed']['acceptance_length']:.2f} -> "
+                  f"{s['adaptive']['acceptance_length']:.2f}", flush=True)
     result = {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu_name(),
@@ -238,24 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         "profile": "cpu-tiny",
         "prompt_lens": PROMPT_LENS,
         "max_tokens": args.max_tokens,
-        "row_cost": row_cost,
+        "pairs": args.pairs,
+        "row_cost_fitted": row_cost if fit is not None else None,
         "row_cost_fit": fit,
-        "fixed": fixed_s,
-        "adaptive": adaptive_s,
-        "ratio": {k: adaptive_s[k] / fixed_s[k] for k in ("tok_s", "rows_per_token")},
-        "runs": runs,
+        "settings": settings,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
-    print(f"{'':10s} {'tok/s':>8s} {'rows/token':>11s} {'accept len':>11s}")
-    for name, s in (("fixed k", fixed_s), ("adaptive", adaptive_s)):
-        print(f"{name:10s} {s['tok_s']:8.1f} {s['rows_per_token']:11.3f} "
-              f"{s['acceptance_length']:11.3f}")
-    print(f"adaptive / fixed: tok/s {result['ratio']['tok_s']:.3f}x, verified rows per token "
-          f"{result['ratio']['rows_per_token']:.3f}x ({result['cpu']}, load "
-          f"{result['load_avg_1m']:.1f})")
-    print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
+    print(f"({result['cpu']}, load {result['load_avg_1m']:.1f}) wrote {args.out} and "
+          f"{args.out.with_suffix('.png').name}")
     return 0
 
 

@@ -26,9 +26,11 @@ tokens with its own Markov chain; the leading matches are accepted, plus one tok
 the target), reported as vLLM does: mean tokens per step and per-position acceptance.
 
 Writes the trained ``mtp.*`` tensors into the checkpoint (every other tensor unchanged) and
-``dspark_draft_training.json`` beside it (settings + results). Deterministic given
-``--seed`` on one machine; a second run with the same settings finds the record and does
-nothing, so ``make demo`` / ``make test`` train once.
+``dspark_draft_training.json`` beside it (settings + results). Training always starts from
+the draft as generated, kept in ``dspark_draft_initial.pt`` on the first run, so training
+again (``--force``, other settings) gives what a first run would, not a fine-tune of the
+last result. Deterministic given ``--seed`` on one machine; a second run with the same
+settings finds the record and does nothing, so ``make demo`` / ``make test`` train once.
 
 Usage: python -m scripts.tiny.train_tiny_draft --model models/tiny-dsv4-dspark [--seed 0]
 """
@@ -44,6 +46,7 @@ import time
 from pathlib import Path
 
 RECORD = "dspark_draft_training.json"
+INITIAL_DRAFT = "dspark_draft_initial.pt"  # not *.safetensors: vLLM loads every one of those
 # Options that are counts (each must be >= 1) and, with the seed and loss, what a run is.
 SIZES = ("sequences", "held_out", "gen_len", "steps", "blocks", "step_sequences")
 MAX_MODEL_LEN = 512
@@ -93,7 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "same prompts and "
         "--gen-len loads them instead of running the target again",
     )
-    p.add_argument("--force", action="store_true", help="train again even if recorded")
+    p.add_argument(
+        "--force", action="store_true",
+        help="train again, from the generated draft, even if these settings are recorded",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in (*SIZES, "threads"):
@@ -345,6 +351,30 @@ def cached_traces(path: Path | None, prompts: list[list[int]], gen_len: int):
     return traces
 
 
+def initial_draft(model_dir: Path, tensors: dict) -> dict:
+    """The ``mtp.*`` tensors as generated: saved beside the checkpoint before the first
+    training, read back by every later one (the checkpoint then holds a trained draft)."""
+    import torch
+
+    path = model_dir / INITIAL_DRAFT
+    if path.is_file():
+        return torch.load(path)
+    if (model_dir / RECORD).is_file():
+        raise SystemExit(
+            f"error: {model_dir}: its draft was trained by an older version that did not keep "
+            f"the generated draft ({INITIAL_DRAFT}); delete the folder and run `make model` "
+            "to generate and train it again"
+        )
+    draft = {n: t.clone() for n, t in tensors.items() if n.startswith("mtp.")}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(draft, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return draft
+
+
 def write_checkpoint(model_dir: Path, tensors: dict, trained: dict) -> None:
     """Replace the ``mtp.*`` tensors in ``model.safetensors``, atomically."""
     from safetensors.torch import save_file
@@ -397,6 +427,7 @@ def main(argv=None) -> int:
             f"{tensors[quantized[0]].dtype} for {quantized[0]} (and {len(quantized) - 1} more); "
             "train the bf16 checkpoint (make_tiny_model.py without --format real)"
         )
+    tensors |= initial_draft(model_dir, tensors)
     torch.manual_seed(args.seed)
     torch.set_flush_denormal(True)  # Adam's second moments of tiny gradients, else 10x slower
     t0 = time.monotonic()

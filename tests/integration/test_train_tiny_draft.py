@@ -161,3 +161,23 @@ def test_training_then_held_out_prompts_each_split_by_text_share(tmp_path):
     assert ttd.training_prompts(args, cfg, tmp_path) == want
     none = ttd.parse_args(["--model", str(tmp_path), "--sequences", "8", "--text-share", "0"])
     assert ttd.training_prompts(none, cfg, tmp_path) == random_prompts(0, 40, 1024, 9, 0)
+
+
+def test_training_again_starts_from_the_generated_draft(tmp_path):
+    generated = {"mtp.0.w": torch.arange(6.0).view(2, 3), "layers.0.w": torch.ones(2)}
+    first = ttd.initial_draft(tmp_path, generated)
+    assert set(first) == {"mtp.0.w"} and torch.equal(first["mtp.0.w"], generated["mtp.0.w"])
+    # After a training the checkpoint holds the trained draft; a second training must not
+    # start from it.
+    trained = {"mtp.0.w": torch.full((2, 3), 9.0), "layers.0.w": torch.ones(2)}
+    (tmp_path / ttd.RECORD).write_text("{}")
+    again = ttd.initial_draft(tmp_path, trained)
+    assert torch.equal(again["mtp.0.w"], torch.arange(6.0).view(2, 3))
+    assert not list(tmp_path.glob("*.safetensors")), "vLLM would load it as weights"
+
+
+def test_a_trained_draft_without_its_generated_draft_is_refused(tmp_path):
+    (tmp_path / ttd.RECORD).write_text("{}")
+    with pytest.raises(SystemExit, match=ttd.INITIAL_DRAFT):
+        ttd.initial_draft(tmp_path, {"mtp.0.w": torch.ones(2)})
+    assert not (tmp_path / ttd.INITIAL_DRAFT).exists()

@@ -31,7 +31,9 @@ class DSparkCounters:
     packed_steps: int = 0  # context went through the packed multi-request prefill
     ingested_rows: int = 0  # accepted context rows handed to the ring store
     rejected_rows: int = 0  # verify rows not stored because the target rejected them
-    drafted_tokens: int = 0  # draft tokens proposed to requests past their prefill
+    # draft tokens the block proposed to requests past their prefill: k each, before adaptive
+    # verification's cut (verified_tokens counts what the scheduler sent to the target)
+    drafted_tokens: int = 0
     sampled_draft_tokens: int = 0  # of all drafts, those sampled at temperature > 0
     discarded_drafts: int = 0  # drafts of requests still in chunked prefill
     verified_tokens: int = 0  # draft tokens the target verified this run
