@@ -227,18 +227,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     settings = result["settings"]
     scales = sorted({s["row_cost_scale"] for s in settings})
-    colors = dict(zip(scales, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    colors = {scale: palette[i % len(palette)] for i, scale in enumerate(scales)}
     for ax, key, label in ((axes[0], "tok_s", "tokens/s, adaptive / fixed"),
                            (axes[1], "rows_per_token", "verified rows per token, adaptive / fixed")):
-        for i, s in enumerate(settings):
+        for s in settings:
             ratio, scale = s[f"ratio_{key}"], s["row_cost_scale"]
             x = s["requests"] + 0.6 * (scales.index(scale) - (len(scales) - 1) / 2)
             ax.scatter([x] * len(ratio["per_pair"]), ratio["per_pair"], s=10,
-                       color=colors.get(scale, "tab:gray"), alpha=0.35)
+                       color=colors[scale], alpha=0.35)
             low, high = ratio["ci95"]
             ax.errorbar([x], [ratio["median"]],
                         yerr=[[ratio["median"] - low], [high - ratio["median"]]], fmt="o",
-                        color=colors.get(scale, "tab:gray"), capsize=4,
+                        color=colors[scale], capsize=4,
                         label=f"row cost {s['row_cost']:.4f} ({scale:g}x fitted)"
                         if s["requests"] == settings[0]["requests"] else None)
         ax.axhline(1.0, color="black", lw=0.8)

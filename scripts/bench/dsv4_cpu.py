@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.dev.triton_interpreter import use_triton_interpreter
 from scripts.tiny.ensure import run_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,20 +113,10 @@ def run_step(reqs: list[tuple[int, int]]) -> None:
         idx.build_prefill_chunk_metadata(nd, R, qsl, qsl.clone(), seq, cseq, cseq.clone(), bt, 4)
 
 
-def _use_triton_interpreter() -> None:
-    """Let vLLM take the oracle's Triton (on PYTHONPATH, TRITON_INTERPRET=1) as a CPU driver."""
-    from triton.backends import Backend, backends
-
-    class _ActiveCpuDriver:  # vLLM's HAS_TRITON check asks for an active driver
-        is_active = staticmethod(lambda: True)
-
-    backends["cpu"] = Backend(compiler=None, driver=_ActiveCpuDriver)
-
-
 def _metadata_child(args) -> None:
     """Runs in a subprocess: time the replay with one implementation, print JSON."""
     if args.impl == "interpreter":
-        _use_triton_interpreter()
+        use_triton_interpreter()
     else:
         from vllm.v1.attention.ops.torch_metadata_kernels import register_torch_metadata_kernels
 

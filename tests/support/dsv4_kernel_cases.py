@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scripts.dev.triton_interpreter import use_triton_interpreter
 from tests.support.overlay import load_overlay_module
 
 IMPL_REL = "vllm/v1/attention/ops/torch_metadata_kernels.py"
@@ -326,21 +326,6 @@ def load_impl():
     return load_overlay_module(IMPL_REL)
 
 
-def _install_interpreter() -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from triton.backends import Backend, backends
-    except ImportError as exc:
-        raise SystemExit(f"oracle: no Triton importable ({exc}): run with PYTHONPATH=ORACLE_DIR")
-
-    class _ActiveCpuDriver:  # lets vLLM's HAS_TRITON check accept the interpreter
-        @staticmethod
-        def is_active() -> bool:
-            return True
-
-    backends["cpu"] = Backend(compiler=None, driver=_ActiveCpuDriver)
-
-
 def _overridden(names) -> dict[str, str]:
     from vllm.triton_utils.dispatcher import _resolve_kernel
 
@@ -358,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     report: dict = {"mode": a.mode}
     if a.mode == "oracle":
-        _install_interpreter()
+        use_triton_interpreter()
         from vllm.triton_utils import HAS_TRITON
 
         assert HAS_TRITON, "the Triton interpreter was not accepted by vLLM"

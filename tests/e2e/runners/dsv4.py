@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from scripts.dev.triton_interpreter import use_triton_interpreter
 from tests.support.greedy_oracle import teacher_force
 
 
@@ -122,15 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM's Triton kernels in the interpreter (stock Triton on PYTHONPATH)")
     a = p.parse_args(argv)
     if a.interpreter:
-        os.environ["TRITON_INTERPRET"] = "1"
-        from triton.backends import Backend, backends
-
-        class _ActiveCpuDriver:
-            @staticmethod
-            def is_active() -> bool:
-                return True
-
-        backends["cpu"] = Backend(compiler=None, driver=_ActiveCpuDriver)
+        use_triton_interpreter()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
