@@ -342,11 +342,9 @@ class DSparkProposer:
     def _cut(self, plan: StepPlan, drafts: torch.Tensor) -> torch.Tensor:
         """Drafts past each request's verification budget replaced by ``CUT`` (device)."""
         num_reqs = plan.num_requests
-        head, embeds = self._confidence_inputs
         with torch.inference_mode():
-            confidence = self.model.compute_confidence(head[:num_reqs], embeds[:num_reqs])
             keep = draft_budget_mask(
-                confidence,
+                self.last_confidence,
                 plan.drafting[:num_reqs].bool(),
                 num_eligible=num_reqs - plan.num_discarded,
                 base_rows=num_reqs,
