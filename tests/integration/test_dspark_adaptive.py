@@ -137,6 +137,47 @@ def test_row_cost_default_and_value(monkeypatch):
     assert VerifyCost(0.25).table(3, "cpu").tolist() == [1.0, 1.25, 1.5, 1.75]
 
 
+def test_confidences_outside_zero_one_count_as_clamped():
+    """The head's sigmoid stays in [0, 1]; anything else (a kernel's overshoot) is clamped,
+    so a survival never exceeds 1 nor turns negative."""
+    cases = [  # (confidences, the same clamped to [0, 1])
+        ([[1.5, 1.5, 0.2], [-0.5, 1.0, 1.0], [0.7, 0.6, 0.5]],
+         [[1.0, 1.0, 0.2], [0.0, 1.0, 1.0], [0.7, 0.6, 0.5]]),
+        ([[0.5, 1.9], [0.6, 0.5]], [[0.5, 1.0], [0.6, 0.5]]),  # 1.9 would admit differently
+        ([[-0.5, -0.5], [0.7, 0.6]], [[0.0, 0.0], [0.7, 0.6]]),  # (-0.5)^2 would rank high
+    ]
+    for wild, clamped in cases:
+        for cost in (0.0, 0.02, 0.2, 0.4, 1.0):
+            want = reference_counts(clamped, [True] * len(wild), cost)
+            assert device_counts(wild, [True] * len(wild), cost) == want
+
+
+def test_a_real_token_zero_is_never_taken_for_the_cut():
+    drafts = torch.tensor([[0, 0, 4], [0, 7, 0]], dtype=torch.int32)
+    keep = torch.tensor([[True, True, False], [True, True, True]])
+    assert trim_cut(apply_cut(drafts, keep).tolist()) == [[0, 0], [0, 7, 0]]
+
+
+def test_default_row_cost_is_the_documented_one(monkeypatch):
+    from scripts import recipe
+
+    monkeypatch.delenv(ROW_COST_ENV, raising=False)
+    line = next(ln for ln in (recipe.REPO / "README.md").read_text().splitlines()
+                if f"`{ROW_COST_ENV}`" in ln)
+    documented = float(line.split("default ")[1].split(";")[0].split(")")[0])
+    assert VerifyCost.from_env().row_cost == documented
+
+
+def test_row_cost_bounds_and_immutability():
+    assert VerifyCost(0.0).row_cost == 0.0 and VerifyCost(100.0).row_cost == 100.0
+    for bad in (-1e-9, 100.001, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=ROW_COST_ENV):
+            VerifyCost(bad)
+    cost = VerifyCost(0.5)
+    with pytest.raises(AttributeError):
+        cost.row_cost = 200.0  # every rank's cut depends on it: fixed once made
+
+
 # --------------------------------------------------------------- in the proposer
 
 
