@@ -15,6 +15,7 @@ CORE_MODULES = {
     "rings": "overlay/vllm/v1/spec_decode/dspark/rings.py",
     "step_plan": "overlay/vllm/v1/spec_decode/dspark/step_plan.py",
     "packed_prefill": "overlay/vllm/v1/spec_decode/dspark/packed_prefill.py",
+    "adaptive": "overlay/vllm/v1/spec_decode/dspark/adaptive.py",
     "markov": "overlay/vllm/models/deepseek_v4/common/dspark/markov.py",
     "apply_overlay": "scripts/apply_overlay.py",
     "recipe": "scripts/recipe.py",
