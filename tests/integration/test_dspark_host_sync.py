@@ -10,6 +10,8 @@ catches one ``.item()`` slipped into the store.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -108,8 +110,8 @@ def test_host_sync_guard_catches_one_item(monkeypatch):
 
 
 def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
-    """What the runner runs per engine step: release finished requests, publish, propose."""
-    import vllm.v1.spec_decode.dspark.metrics as dm
+    """What the runner runs per engine step: release departed requests, publish, propose."""
+    from vllm.v1.spec_decode.dspark.runner_glue import before_step
 
     shape = proposer.model.shape
     width = shape.hidden_size * len(shape.target_layer_ids)
@@ -125,9 +127,12 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
         next_token_ids=torch.randint(0, shape.vocab_size, (len(req_ids),), generator=gen),
         num_draft_tokens=drafts,
     )
+    # The runner's view at _update_states: the requests it holds, what the scheduler reports.
+    runner = SimpleNamespace(drafter=proposer, vllm_config=proposer.vllm_config,
+                             requests=dict.fromkeys(req_ids))
+    scheduled = SimpleNamespace(finished_req_ids={f"gone{step}"}, preempted_req_ids=set())
     with HostReadGuard() as guard:
-        proposer.release([f"gone{step}"])
-        dm.publish_dspark_metrics(proposer, proposer.vllm_config)
+        before_step(runner, scheduled)
         drafts = proposer.propose(**inputs)
     return guard.reads, drafts
 

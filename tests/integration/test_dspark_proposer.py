@@ -205,6 +205,33 @@ def test_released_slot_is_reused_without_its_old_context(env):
         )
 
 
+def test_before_step_frees_every_request_that_left(env):
+    """Finished and preempted (as reported) and unreported ones (the runner no longer holds
+    them) lose their ring rows before the step; requests still running keep theirs."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.dspark.runner_glue import before_step
+
+    draft, vc = env
+    width = draft.shape.hidden_size * len(draft.shape.target_layer_ids)
+    gen = torch.Generator().manual_seed(5)
+    p = make_proposer(draft, vc, max_num_seqs=4)
+    p.vllm_config = vc
+    ids = ["done", "preempted", "vanished", "running"]
+    _propose(p, [(r, 0, 3, 0, 5, torch.randn(3, width, generator=gen).bfloat16()) for r in ids],
+             width, gen)
+    slots = {r: p.slot_table.slot_of(r) for r in ids}
+    runner = SimpleNamespace(drafter=p, vllm_config=vc,
+                             requests=dict.fromkeys(["preempted", "running"]))
+    before_step(runner, SimpleNamespace(finished_req_ids={"done"},
+                                        preempted_req_ids={"preempted"}))
+    assert p.live_request_ids == {"running"}
+    assert p.counters.released_slots == 3
+    for r in ("done", "preempted", "vanished"):
+        assert not (p.kv_pos[slots[r]] >= 0).any()
+    assert (p.kv_pos[slots["running"]] >= 0).sum() == 3
+
+
 def test_packed_prefill_path_equals_direct_store(env, monkeypatch):
     draft, vc = env
     rings = []

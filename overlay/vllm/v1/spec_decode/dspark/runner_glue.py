@@ -1,7 +1,9 @@
 """V1 runner glue for DSpark: the runner's step state -> ``DSparkProposer.propose``.
 
-Called by the overlay's patch of ``GPUModelRunner.propose_draft_token_ids`` right after
-rejection sampling. Host facts come from the runner's host copies (``query_start_loc_cpu``,
+``before_step`` runs from the overlay's patch of ``GPUModelRunner._update_states`` on every
+step, scheduled or not: it frees the ring rows of requests that left and publishes the
+metrics. ``propose_from_runner`` runs from the patch of ``propose_draft_token_ids`` right
+after rejection sampling. Host facts come from the runner's host copies (``query_start_loc_cpu``,
 the scheduler's draft counts, the discard mask, the temperatures, the request states);
 the rejection counts and anchors are computed on the device from the sampled tokens and
 never read back, so the step stays free of device-to-host syncs.
@@ -14,7 +16,25 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["propose_from_runner"]
+__all__ = ["before_step", "propose_from_runner"]
+
+
+def before_step(runner: Any, scheduler_output: Any) -> None:
+    """Free the ring rows of every request that left, then publish DSpark's metrics.
+
+    The one place requests leave the proposer: finished and preempted ones as the scheduler
+    reports them, and any the runner no longer holds without a report. It runs on every
+    step because a step with nothing scheduled never reaches the proposer, and an idle
+    server must hold no ring rows.
+    """
+    from vllm.v1.spec_decode.dspark.metrics import publish_dspark_metrics
+
+    drafter = runner.drafter
+    departed = set(scheduler_output.finished_req_ids)
+    departed |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+    departed |= {rid for rid in drafter.live_request_ids if rid not in runner.requests}
+    drafter.release(departed)
+    publish_dspark_metrics(drafter, runner.vllm_config)
 
 
 def _sampled_tensor(sampled_token_ids: torch.Tensor | list[list[int]], num_reqs: int, device):
@@ -80,11 +100,6 @@ def propose_from_runner(
         )
     runner._copy_valid_sampled_token_count(anchors.to(torch.int32), valid.to(torch.int32))
 
-    finished = set(scheduler_output.finished_req_ids)
-    finished |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-    # Requests that left without being reported here (e.g. a skipped step).
-    finished |= {rid for rid in drafter.live_request_ids if rid not in runner.requests}
-
     temperature = temperature_cpu = None
     if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
         temperature = sampling_metadata.temperature[:num_reqs]
@@ -104,7 +119,6 @@ def propose_from_runner(
         prefilling=discard_np,
         temperature=temperature,
         temperature_cpu=temperature_cpu,
-        finished_req_ids=finished,
         request_seeds=(
             [runner.requests[rid].sampling_params.seed for rid in req_ids]
             if drafter.probabilistic
