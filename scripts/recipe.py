@@ -257,11 +257,6 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
         )
     if spec["method"] == "none":
         return
-    if spec["adaptive"] and spec["runner"] == "overlay" and srv["async_scheduling"]:
-        problems.append(
-            "speculative.adaptive: true on the overlay runner needs serving.async_scheduling: "
-            "false (the async scheduler reserves k draft slots before the drafts exist)"
-        )
     if spec["adaptive"] and spec["runner"] == "upstream" and srv["enforce_eager"]:
         problems.append(
             "speculative.adaptive: true on the upstream runner needs full CUDA graphs; "

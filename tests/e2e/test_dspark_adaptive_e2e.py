@@ -1,11 +1,12 @@
 """Adaptive verification end to end in real vLLM on CPU (V1 runner, trained tiny draft).
 
-The same 8 greedy prompts run once with fixed k and once with
-``enable_adaptive_verification`` (``tests/e2e/runners/adaptive.py``, one engine per process).
+The same 8 greedy prompts run with fixed k, with ``enable_adaptive_verification``, and with
+it under async scheduling (``tests/e2e/runners/adaptive.py``, one engine per process).
 Adaptive must stay lossless by the greedy oracle (the plain target by teacher forcing),
 really verify a different number of drafts per request within one step (the scheduler's
 own draft counts, as the target verified them), verify fewer drafts than fixed k for the
-same emitted tokens, and repeat seeded sampled requests token for token.
+same emitted tokens, and repeat seeded sampled requests token for token; under async
+scheduling too, where the cut reaches the scheduler as draft budgets one step late.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def _run(mode: str, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("adaptive")
-    return {mode: _run(mode, tmp / f"{mode}.json") for mode in ("fixed", "adaptive")}
+    return {mode: _run(mode, tmp / f"{mode}.json") for mode in ("fixed", *ADAPTIVE)}
+
+
+ADAPTIVE = ("adaptive", "adaptive-async")
 
 
 def _verify_steps(run: dict) -> list[list[int]]:
@@ -61,41 +65,48 @@ def _verify_steps(run: dict) -> list[list[int]]:
 
 
 def test_both_runs_emit_every_token(runs):
-    assert runs["fixed"]["adaptive"] is False and runs["adaptive"]["adaptive"] is True
+    assert runs["fixed"]["adaptive"] is False
+    assert all(runs[mode]["adaptive"] is True for mode in ADAPTIVE)
+    assert runs["adaptive-async"]["scheduler"] == "AsyncScheduler"
+    assert runs["adaptive"]["scheduler"] == runs["fixed"]["scheduler"] == "Scheduler"
     for run in runs.values():
         outputs = run["greedy"]["outputs"]
         assert sorted(outputs) == sorted(runner.GREEDY)
         assert all(len(t) == runner.GREEDY_TOKENS for t in outputs.values())
 
 
-def test_adaptive_greedy_is_lossless_by_teacher_forcing(runs):
-    oracle = runs["adaptive"]["oracle"]
+@pytest.mark.parametrize("mode", ADAPTIVE)
+def test_adaptive_greedy_is_lossless_by_teacher_forcing(runs, mode):
+    oracle = runs[mode]["oracle"]
     assert oracle["epsilon"] == EPSILON_NATS
     assert oracle["violations"] == [] and oracle["ok"], oracle
     assert sorted(oracle["ids"]) == sorted(runner.GREEDY)
 
 
-def test_adaptive_steps_are_ragged_and_fixed_steps_are_not(runs):
+@pytest.mark.parametrize("mode", ADAPTIVE)
+def test_adaptive_steps_are_ragged_and_fixed_steps_are_not(runs, mode):
     k = max(max(counts, default=0) for counts in _verify_steps(runs["fixed"]))
     assert k >= 2
     # Fixed k: every decoding request verifies k drafts, once its first drafts exist.
     fixed = [set(c) - {0} for c in _verify_steps(runs["fixed"])]
     assert all(s <= {k} for s in fixed)
-    ragged = [c for c in _verify_steps(runs["adaptive"]) if len(set(c)) > 1]
-    assert len(ragged) >= 3, _verify_steps(runs["adaptive"])
+    ragged = [c for c in _verify_steps(runs[mode]) if len(set(c)) > 1]
+    assert len(ragged) >= 3, _verify_steps(runs[mode])
     assert any(0 < d < k for c in ragged for d in c)
 
 
-def test_adaptive_verifies_fewer_drafts_for_the_same_tokens(runs):
+@pytest.mark.parametrize("mode", ADAPTIVE)
+def test_adaptive_verifies_fewer_drafts_for_the_same_tokens(runs, mode):
     fixed = runs["fixed"]["greedy"]["counters"]["verified_tokens"]
-    adaptive = runs["adaptive"]["greedy"]["counters"]["verified_tokens"]
-    scheduled = sum(sum(c) for c in _verify_steps(runs["adaptive"]))
+    adaptive = runs[mode]["greedy"]["counters"]["verified_tokens"]
+    scheduled = sum(sum(c) for c in _verify_steps(runs[mode]))
     assert scheduled == adaptive  # the counters count what the scheduler verified
     assert 0 < adaptive < fixed, (adaptive, fixed)
 
 
-def test_adaptive_seeded_sampling_repeats(runs):
-    first, second = runs["adaptive"]["sampled"]
+@pytest.mark.parametrize("mode", ADAPTIVE)
+def test_adaptive_seeded_sampling_repeats(runs, mode):
+    first, second = runs[mode]["sampled"]
     assert sorted(first) == sorted(runner.SAMPLED)
     assert all(len(t) == runner.SAMPLED_TOKENS for t in first.values())
     assert first == second

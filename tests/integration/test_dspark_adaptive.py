@@ -16,6 +16,7 @@ import pytest
 import torch
 from vllm.v1.spec_decode.dspark.adaptive import (
     CUT,
+    NO_BUDGET,
     ROW_COST_ENV,
     VerifyCost,
     apply_cut,
@@ -232,16 +233,58 @@ def test_proposer_cuts_the_fixed_k_drafts_as_the_rule_says(env, monkeypatch, row
     assert counts[1] == 0  # the prefill chunk's drafts are never admitted
 
 
-def test_adaptive_needs_sync_scheduling(env):
+@pytest.mark.parametrize("row_cost", ["0.0", "0.05"])
+def test_async_scheduling_gets_budgets_instead_of_cut_drafts(env, monkeypatch, row_cost):
+    """Async scheduling: the drafts stay whole (the runner feeds them to the next step as
+    scheduled) and the rule's per-request counts come back as budgets, -1 for prefill."""
     from tests.support.tiny import make_proposer
 
     draft, vc = env
-    vc.scheduler_config.async_scheduling = True
-    try:
-        with pytest.raises(ValueError, match="async_scheduling"):
-            make_proposer(draft, vc, adaptive=True)
-    finally:
-        vc.scheduler_config.async_scheduling = False
+    monkeypatch.setenv(ROW_COST_ENV, row_cost)
+    fixed = make_proposer(draft, vc, max_num_seqs=4)
+    monkeypatch.setattr(vc.scheduler_config, "async_scheduling", True)
+    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    want_drafts = fixed.propose(**_step_inputs(fixed, 3))
+    got = adaptive.propose(**_step_inputs(adaptive, 3))
+    assert torch.equal(got, want_drafts)
+    assert fixed.take_draft_budgets() is None
+    budgets = adaptive.take_draft_budgets()
+    assert budgets.dtype == torch.int32 and adaptive.take_draft_budgets() is None
+    counts = reference_counts(adaptive.last_confidence.float().tolist(), [True, False, True],
+                              float(row_cost))
+    assert budgets.tolist() == [counts[0], NO_BUDGET, counts[2]]
+
+
+def test_budgets_reach_the_scheduler_with_the_step_output():
+    """The async output wrapper: the inner output untouched, budgets keyed by request,
+    requests without a budget left out (the scheduler keeps their k)."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.spec_decode.dspark.runner_glue import with_draft_budgets
+
+    class Inner(AsyncModelRunnerOutput):
+        sampled_token_ids_cpu = "inner's"
+
+        def get_output(self):
+            return ModelRunnerOutput(req_ids=["a", "b", "c"], req_id_to_index={},
+                                     sampled_token_ids=[[1], [2, 3], [4]])
+
+    class Drafter:
+        def __init__(self, budgets):
+            self.budgets = budgets
+
+        def take_draft_budgets(self):
+            budgets, self.budgets = self.budgets, None
+            return budgets
+
+    inner = Inner()
+    assert with_draft_budgets(inner, Drafter(None)) is inner
+    wrapped = with_draft_budgets(inner, Drafter(torch.tensor([2, NO_BUDGET, 0], dtype=torch.int32)))
+    assert isinstance(wrapped, AsyncModelRunnerOutput)
+    assert wrapped.sampled_token_ids_cpu == "inner's"  # what the runner reads off it
+    output = wrapped.get_output()
+    assert output.sampled_token_ids == [[1], [2, 3], [4]]
+    assert output.dspark_draft_budgets == {"a": 2, "c": 0}
+    assert ModelRunnerOutput(req_ids=[], req_id_to_index={}).dspark_draft_budgets is None
 
 
 # ------------------------------------------------------------------ the recipe knob
@@ -261,12 +304,10 @@ def _profile(name: str, **speculative) -> dict:
     "name,speculative,serving,message",
     [
         ("cpu-tiny", {"adaptive": "yes"}, {}, "speculative.adaptive: expected bool, got str"),
-        ("spark-2x", {"adaptive": True}, {"async_scheduling": True},
-         "speculative.adaptive: true on the overlay runner needs serving.async_scheduling: false"),
         ("spark-2x-upstream", {"adaptive": True}, {"enforce_eager": True},
          "speculative.adaptive: true on the upstream runner needs full CUDA graphs"),
     ],
-    ids=["not a bool", "overlay with async scheduling", "upstream eager"],
+    ids=["not a bool", "upstream eager"],
 )
 def test_recipe_rejects_bad_adaptive_settings(name, speculative, serving, message):
     from scripts import recipe
@@ -276,6 +317,16 @@ def test_recipe_rejects_bad_adaptive_settings(name, speculative, serving, messag
     with pytest.raises(recipe.RecipeError) as err:
         recipe.validate(profile)
     assert message in str(err.value)
+
+
+def test_adaptive_with_async_scheduling_is_a_valid_spark_setting():
+    from scripts import recipe
+
+    profile = recipe.validate(_profile("spark-2x", adaptive=True))
+    assert profile["serving"]["async_scheduling"] is True
+    args = recipe.engine_args(profile)
+    assert args["async_scheduling"] is True
+    assert args["speculative_config"]["enable_adaptive_verification"] is True
 
 
 def test_recipe_knob_is_rendered_as_vllms_own_field():

@@ -109,9 +109,14 @@ def test_host_sync_guard_catches_one_item(monkeypatch):
         device_step(cache, cache_pos, rings.SlotTable(NUM_SLOTS), ["a", "b"], [K + 1] * 2, [K] * 2)
 
 
+class _StepOutput:
+    """Stands in for the runner's async step output (never read here)."""
+
+
 def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
-    """What the runner runs per engine step: release departed requests, publish, propose."""
-    from vllm.v1.spec_decode.dspark.runner_glue import before_step
+    """What the runner runs per engine step: release departed requests, publish, propose,
+    wrap the step's output."""
+    from vllm.v1.spec_decode.dspark.runner_glue import before_step, with_draft_budgets
 
     shape = proposer.model.shape
     width = shape.hidden_size * len(shape.target_layer_ids)
@@ -134,17 +139,25 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
     with HostReadGuard() as guard:
         before_step(runner, scheduled)
         drafts = proposer.propose(**inputs)
-    return guard.reads, drafts
+        # Async scheduling: the step's output takes the budgets (read later, off the step).
+        output = with_draft_budgets(_StepOutput(), proposer)
+    budgets = getattr(output, "_budgets_cpu", None)
+    return guard.reads, drafts, budgets
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+@pytest.mark.parametrize(
+    "adaptive,async_scheduling",
+    [(False, False), (True, False), (True, True)],
+    ids=["fixed-k", "adaptive", "adaptive-async"],
+)
 def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(
-    tmp_path, monkeypatch, adaptive
+    tmp_path, monkeypatch, adaptive, async_scheduling
 ):
     """Release, metrics (PROMETHEUS_MULTIPROC_DIR set) and propose: no host read at all.
 
     With adaptive verification the step also runs the confidence head and the cut rule
-    (sort, cumsum, argmax over the batch's draft slots) on the device.
+    (sort, cumsum, argmax over the batch's draft slots) on the device; under async
+    scheduling its budgets are handed to the step's output instead of cutting drafts.
     """
     import vllm.v1.spec_decode.dspark.metrics as dm
 
@@ -155,6 +168,7 @@ def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(
     monkeypatch.setattr(dm, "_checked", False)
     draft, vc = build_draft(ensure_tiny_model())
     monkeypatch.setenv("DSPARK_VERIFY_ROW_COST", "0.05")  # a cut in between: ragged drafts
+    monkeypatch.setattr(vc.scheduler_config, "async_scheduling", async_scheduling)
     proposer = make_proposer(draft, vc, max_num_seqs=4, adaptive=adaptive)
     proposer.vllm_config = vc
     k = proposer.num_speculative_tokens
@@ -162,12 +176,17 @@ def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(
     steps = [(["a", "b"], [7, 3], [0, 0], [0, 0])]
     steps += [(["a", "b"], [k + 1, k + 1], [k, k], [2, k])]
     steps += [(["a", "b", "c"], [k + 1, 1, 5], [k, 0, 0], [1, 0, 0])] * 3
-    cut_slots = 0
+    cut_slots = cut_budgets = 0
     for step, batch in enumerate(steps):
-        reads, drafts = _whole_step(proposer, step, *batch)
+        reads, drafts, budgets = _whole_step(proposer, step, *batch)
         assert reads == [], f"step {step}: host reads\n" + "\n".join(w for _, w in reads)
         cut_slots += int((drafts == -1).sum())
-    assert (cut_slots > 0) == adaptive, "the adaptive steps cut no draft (or fixed k did)"
+        assert (budgets is not None) == async_scheduling
+        if budgets is not None:
+            cut_budgets += int(((budgets >= 0) & (budgets < k)).sum())
+    cuts = cut_budgets if async_scheduling else cut_slots
+    assert (cuts > 0) == adaptive, "the adaptive steps cut no draft (or fixed k did)"
+    assert cut_slots == 0 or not async_scheduling, "async scheduling must keep drafts whole"
     assert dm._exporter is not None, "metrics were not exported"
     # The exported counters lag the device by a step at most, and are exact once caught up.
     lagged, exact = proposer.metrics_counters(), proposer.counters

@@ -2,6 +2,7 @@
 
     python -m tests.e2e.runners.adaptive fixed --model DIR --out R.json
     python -m tests.e2e.runners.adaptive adaptive --model DIR --out R.json
+    python -m tests.e2e.runners.adaptive adaptive-async --model DIR --out R.json
 
 Both modes run the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
 chunked prefill) through one DSpark engine with the trained tiny draft, and record what
@@ -10,6 +11,8 @@ the target verified each step: per request, the drafts it was scheduled (the pro
 ``enable_adaptive_verification`` (row cost from ``DSPARK_VERIFY_ROW_COST``), scores the
 greedy outputs with the greedy oracle (the plain target by teacher forcing, in a child
 process) and runs the same seeded sampled requests twice, one batch after the other.
+``adaptive-async`` does the same with async scheduling, where the cut reaches the
+scheduler as per-request draft budgets one step late.
 """
 
 from __future__ import annotations
@@ -85,8 +88,11 @@ def sampled_twice(engine, all_prompts) -> list[dict[str, list[int]]]:
     return runs
 
 
-def run(model: str, adaptive: bool, target: PlainTarget | None = None) -> dict:
+def run(
+    model: str, adaptive: bool, target: PlainTarget | None = None, async_scheduling=False
+) -> dict:
     kwargs = engine_kwargs(model, None, speculative=True)
+    kwargs["async_scheduling"] = async_scheduling
     kwargs["speculative_config"] = {
         **kwargs["speculative_config"],
         "enable_adaptive_verification": adaptive,
@@ -94,7 +100,11 @@ def run(model: str, adaptive: bool, target: PlainTarget | None = None) -> dict:
     engine = make_engine(kwargs)
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     all_prompts = prompts()
-    result = {"adaptive": drafter.adaptive, "greedy": greedy_phase(engine, drafter, all_prompts)}
+    result = {
+        "adaptive": drafter.adaptive,
+        "scheduler": type(engine.engine_core.engine_core.scheduler).__name__,
+        "greedy": greedy_phase(engine, drafter, all_prompts),
+    }
     if target is not None:
         outputs = result["greedy"]["outputs"]
         result["oracle"] = score(target, all_prompts, outputs, dict.fromkeys(outputs, GREEDY_TOKENS))
@@ -104,7 +114,7 @@ def run(model: str, adaptive: bool, target: PlainTarget | None = None) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["fixed", "adaptive"])
+    ap.add_argument("mode", choices=["fixed", "adaptive", "adaptive-async"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -112,7 +122,8 @@ def main() -> int:
         result = run(args.model, adaptive=False)
     else:
         with PlainTarget(engine_kwargs(args.model, None, speculative=False)) as target:
-            result = run(args.model, adaptive=True, target=target)
+            result = run(args.model, adaptive=True, target=target,
+                         async_scheduling=args.mode == "adaptive-async")
     Path(args.out).write_text(json.dumps(result))
     return 0
 

@@ -11,10 +11,16 @@ cost (throughput):
 
 where ``S_(i)`` is the i-th largest survival and ``cost`` the step's cost by verify rows
 (``VerifyCost``). Survival never grows along a request, so the verified drafts of each
-request are a prefix: drafts past it are replaced by ``CUT`` in the draft-token tensor,
-which the runner copies to the host anyway to hand the drafts to the scheduler; the host
-trims them there (``trim_cut``). The rule runs on the device with static shapes and no
-device-to-host read.
+request are a prefix. The rule runs on the device with static shapes and no device-to-host
+read; how the cut reaches the scheduler depends on the scheduling:
+
+- synchronous: drafts past the prefix are replaced by ``CUT`` in the draft-token tensor,
+  which the runner copies to the host anyway to hand the drafts to the scheduler; the host
+  trims them there (``trim_cut``), so the next step verifies exactly the admitted drafts;
+- async: the scheduler has already reserved the next step's draft slots when the drafts
+  are made, so each request's admitted count (``draft_budgets``) travels back with the
+  step's sampled tokens (their own copy to the host) and becomes the request's draft
+  budget for the step after next: one step late, as upstream's V2 budget is.
 """
 
 from __future__ import annotations
@@ -27,14 +33,17 @@ import torch
 
 __all__ = [
     "CUT",
+    "NO_BUDGET",
     "ROW_COST_ENV",
     "VerifyCost",
     "apply_cut",
     "draft_budget_mask",
+    "draft_budgets",
     "trim_cut",
 ]
 
 CUT = -1  # a draft slot past the cut (never a token id)
+NO_BUDGET = -1  # a request the rule did not rank (async scheduling: keep k drafts)
 ROW_COST_ENV = "DSPARK_VERIFY_ROW_COST"
 # One more verify row as a fraction of a step's fixed cost. ``python -m scripts.bench.adaptive``
 # fits it on the machine at hand: 0.007 to 0.05 for the tiny checkpoint on a shared 2-core
@@ -108,6 +117,13 @@ def draft_budget_mask(
     budget = torch.argmax(throughput)  # the first maximum: the smallest budget on ties
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(rows * k, device=order.device))
     return (rank < budget).view(rows, k)
+
+
+def draft_budgets(keep: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """``[R]`` int32: admitted drafts per request, ``NO_BUDGET`` for an ineligible row (a
+    request in prefill: the rule had nothing to rank, so the scheduler keeps its k)."""
+    counts = keep.sum(dim=1, dtype=torch.int32)
+    return torch.where(eligible, counts, torch.full_like(counts, NO_BUDGET))
 
 
 def apply_cut(drafts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

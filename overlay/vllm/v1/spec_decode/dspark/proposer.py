@@ -48,7 +48,12 @@ from vllm.models.deepseek_v4.common.dspark.model import (
     load_dspark_draft,
 )
 from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
-from vllm.v1.spec_decode.dspark.adaptive import VerifyCost, apply_cut, draft_budget_mask
+from vllm.v1.spec_decode.dspark.adaptive import (
+    VerifyCost,
+    apply_cut,
+    draft_budget_mask,
+    draft_budgets,
+)
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
@@ -99,14 +104,15 @@ class DSparkProposer:
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.draft_sizes = capture_sizes(self.max_num_seqs)
         self.probabilistic = spec.draft_sample_method == "probabilistic"
-        # Confidence-scheduled verification: drafts not worth verifying come back as CUT.
+        # Confidence-scheduled verification. With synchronous scheduling, the drafts not
+        # worth verifying come back as CUT; with async scheduling (the scheduler reserves
+        # the next step's draft slots before the drafts exist), each request's budget goes
+        # back with the step's output and shapes the step after next (take_draft_budgets).
         self.adaptive = bool(getattr(spec, "enable_adaptive_verification", False))
-        if self.adaptive and getattr(vllm_config.scheduler_config, "async_scheduling", False):
-            raise ValueError(
-                "enable_adaptive_verification on the V1 runner needs async_scheduling off: "
-                "the async scheduler reserves k draft slots per request before the drafts "
-                "(and their cut) exist"
-            )
+        self.async_scheduling = bool(
+            getattr(vllm_config.scheduler_config, "async_scheduling", False)
+        )
+        self._draft_budgets: torch.Tensor | None = None
         self.verify_cost = VerifyCost.from_env() if self.adaptive else None
         self._cost_table: torch.Tensor | None = None
         self.dtype = vllm_config.model_config.dtype
@@ -243,6 +249,12 @@ class DSparkProposer:
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
             self.draft_block(slots, anchors, zero, None)
 
+    def take_draft_budgets(self) -> torch.Tensor | None:
+        """``[R]`` int32 (device) drafts worth verifying per request of the last step, -1
+        where the rule had no say (prefill); async scheduling with adaptive only, else None."""
+        budgets, self._draft_budgets = self._draft_budgets, None
+        return budgets
+
     def take_last_draft_probs(self) -> torch.Tensor | None:
         probs, self._last_probs = self._last_probs, None
         return probs
@@ -343,14 +355,18 @@ class DSparkProposer:
         """Drafts past each request's verification budget replaced by ``CUT`` (device)."""
         num_reqs = plan.num_requests
         with torch.inference_mode():
+            eligible = plan.drafting[:num_reqs].bool()
             keep = draft_budget_mask(
                 self.last_confidence,
-                plan.drafting[:num_reqs].bool(),
+                eligible,
                 num_eligible=num_reqs - plan.num_discarded,
                 base_rows=num_reqs,
                 cost_table=self._cost_table,
             )
-            return apply_cut(drafts, keep)
+            if not self.async_scheduling:
+                return apply_cut(drafts, keep)
+            self._draft_budgets = draft_budgets(keep, eligible)
+            return drafts
 
     def plan(self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu):
         """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""

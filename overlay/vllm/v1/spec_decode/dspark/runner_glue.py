@@ -3,7 +3,8 @@
 ``before_step`` runs from the overlay's patch of ``GPUModelRunner._update_states`` on every
 step, scheduled or not: it frees the ring rows of requests that left and publishes the
 metrics. ``propose_from_runner`` runs from the patch of ``propose_draft_token_ids`` right
-after rejection sampling. Host facts come from the runner's host copies (``query_start_loc_cpu``,
+after rejection sampling. ``with_draft_budgets`` wraps the async scheduler's step output
+so adaptive verification's per-request budgets reach the scheduler with the sampled tokens. Host facts come from the runner's host copies (``query_start_loc_cpu``,
 the scheduler's draft counts, the discard mask, the temperatures, the request states);
 the rejection counts and anchors are computed on the device from the sampled tokens and
 never read back, so the step stays free of device-to-host syncs.
@@ -15,8 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
-__all__ = ["before_step", "propose_from_runner"]
+__all__ = ["before_step", "propose_from_runner", "with_draft_budgets"]
 
 
 def before_step(runner: Any, scheduler_output: Any) -> None:
@@ -125,3 +127,40 @@ def propose_from_runner(
             else None
         ),
     )
+
+
+class _OutputWithDraftBudgets(AsyncModelRunnerOutput):
+    """An async step output that also carries adaptive verification's draft budgets.
+
+    The budgets' device-to-host copy is queued next to the sampled tokens' and read in
+    ``get_output``, which the engine calls off the step's critical path once the tokens'
+    copy is waited for anyway: the step itself never waits for it.
+    """
+
+    def __init__(self, inner: AsyncModelRunnerOutput, budgets: torch.Tensor) -> None:
+        self._inner = inner
+        self._budgets_cpu = budgets.to("cpu", non_blocking=True)
+        self._copied = None
+        if budgets.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def __getattr__(self, name: str) -> Any:
+        # sampled_token_ids_cpu, async_copy_ready_event, ...: the runner reads the inner's.
+        return getattr(self._inner, name)
+
+    def get_output(self):
+        output = self._inner.get_output()
+        if self._copied is not None:
+            self._copied.synchronize()
+        budgets = self._budgets_cpu.tolist()
+        output.dspark_draft_budgets = {
+            rid: b for rid, b in zip(output.req_ids, budgets, strict=True) if b >= 0
+        }
+        return output
+
+
+def with_draft_budgets(async_output: Any, drafter: Any) -> Any:
+    """``async_output`` carrying the drafter's budgets of this step, when it made any."""
+    budgets = drafter.take_draft_budgets()
+    return async_output if budgets is None else _OutputWithDraftBudgets(async_output, budgets)
