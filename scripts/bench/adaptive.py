@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m scripts.bench.adaptive \\
         [--pairs 16] [--requests 8 16] [--max-tokens 64] [--row-cost X] \\
-        [--row-cost-scales 1 3]
+        [--row-cost-scales 1 3] [--async-scheduling]
 
 The cpu-tiny profile's engine (V1 runner, trained tiny draft, k=4, 256-token step budget,
 ``enable_adaptive_verification`` on) decodes the same greedy prompts (1 to 300
@@ -22,7 +22,8 @@ and each multiple of the row cost in ``--row-cost-scales``.
 The row cost the cut rule uses (``DSPARK_VERIFY_ROW_COST``: a verify row's cost as a
 fraction of a step's fixed cost) is, unless ``--row-cost`` is given, fitted once from
 the steps of a short calibration engine at the default row cost (``fit_row_cost``), then
-used by every measured engine. Writes ``bench-results/adaptive.json`` and ``.png``.
+used by every measured engine. ``--async-scheduling`` schedules as the Spark profiles do.
+Writes ``bench-results/adaptive.json`` (``adaptive-async.json``) and ``.png``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def prompts(num_requests: int) -> list[list[int]]:
 # ------------------------------------------------------------------ one engine (child)
 
 
-def worker(pairs: int, max_tokens: int, num_requests: int) -> dict[str, Any]:
+def worker(
+    pairs: int, max_tokens: int, num_requests: int, async_scheduling: bool
+) -> dict[str, Any]:
     """Warm up both modes, then ``pairs`` fixed/adaptive pairs of timed passes (ABBA)."""
     import numpy as np
     from vllm import SamplingParams
@@ -76,6 +79,7 @@ def worker(pairs: int, max_tokens: int, num_requests: int) -> dict[str, Any]:
     kwargs = recipe.engine_args(recipe.load_profile("cpu-tiny"))
     kwargs["seed"] = 0
     kwargs["max_num_seqs"] = num_requests
+    kwargs["async_scheduling"] = async_scheduling
     kwargs["speculative_config"] = {
         **kwargs["speculative_config"],
         "enable_adaptive_verification": True,
@@ -102,7 +106,8 @@ def worker(pairs: int, max_tokens: int, num_requests: int) -> dict[str, Any]:
     batch = prompts(num_requests)
 
     def one_pass(mode: str, tag: str, samples: list | None) -> dict[str, Any]:
-        # Fixed k: the cut becomes the identity, as in an engine with adaptive off.
+        # Fixed k: the cut becomes the identity, as in an engine with adaptive off (under
+        # async scheduling no budgets are made, so the scheduler keeps k per request).
         drafter._cut = adaptive_cut if mode == "adaptive" else (lambda plan, drafts: drafts)
         drafter.reset_counters()
         for i, ids in enumerate(batch):
@@ -153,7 +158,8 @@ def run_child(args, num_requests: int, pairs: int, row_cost: float | None) -> di
         out = Path(tmp) / "child.json"
         cmd = [sys.executable, "-m", "scripts.bench.adaptive", "--worker",
                "--child-out", str(out), "--pairs", str(pairs),
-               "--requests", str(num_requests), "--max-tokens", str(args.max_tokens)]
+               "--requests", str(num_requests), "--max-tokens", str(args.max_tokens),
+               *(["--async-scheduling"] if args.async_scheduling else [])]
         proc = subprocess.run(cmd, cwd=recipe.REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"engine with {num_requests} requests failed:\n{proc.stderr[-4000:]}")
@@ -247,8 +253,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("concurrent requests")
         ax.set_title(label, fontsize=9)
     axes[1].legend(fontsize=7)
-    fig.suptitle(f"DSpark adaptive verification vs fixed k=4, cpu-tiny, {result['cpu']}: "
-                 "per pair (dots), median and 95% interval", fontsize=8)
+    scheduling = "async" if result.get("async_scheduling") else "sync"
+    fig.suptitle(f"DSpark adaptive verification vs fixed k=4, cpu-tiny, {scheduling} scheduling, "
+                 f"{result['cpu']}: per pair (dots), median and 95% interval", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -264,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-cost-scales", type=float, nargs="+", default=[1.0, 3.0],
                     help="also run at these multiples of the row cost (3: a row 3x as "
                          "costly as measured, what the cut does where rows cost more)")
-    ap.add_argument("--out", type=Path, default=OUT_DIR / "adaptive.json")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="schedule asynchronously, as the Spark profiles do (the cut then "
+                         "reaches the scheduler as per-request budgets, one step late)")
+    ap.add_argument("--out", type=Path, help="default: bench-results/adaptive[-async].json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -275,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.row_cost_scales) < 0:
         ap.error("--row-cost-scales: expected numbers >= 0")
     if args.worker:
-        result = worker(args.pairs, args.max_tokens, args.requests[0])
+        result = worker(args.pairs, args.max_tokens, args.requests[0], args.async_scheduling)
         args.child_out.write_text(json.dumps(result))
         return 0
 
+    if args.out is None:
+        args.out = OUT_DIR / ("adaptive-async.json" if args.async_scheduling else "adaptive.json")
     row_cost, fit = args.row_cost, None
     if row_cost is None:
         # Calibration at the default row cost: adaptive passes give ragged steps to fit on.
@@ -312,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": "cpu-tiny",
         "prompt_lens": PROMPT_LENS,
         "max_tokens": args.max_tokens,
+        "async_scheduling": args.async_scheduling,
         "pairs": args.pairs,
         "row_cost_fitted": row_cost if fit is not None else None,
         "row_cost_fit": fit,
