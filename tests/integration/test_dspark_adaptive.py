@@ -25,40 +25,53 @@ from vllm.v1.spec_decode.dspark.adaptive import (
 )
 
 
-def reference_counts(confidence, eligible, row_cost):
-    """Per request, how many leading drafts the throughput-best budget verifies."""
+def reference_counts(confidence, eligible, row_cost, whole=None):
+    """Per request, how many leading drafts the throughput-best budget verifies.
+
+    ``whole`` rows verify all k drafts: they add 1 + their survivals to the expected tokens
+    and k rows to the cost, and do not compete.
+    """
     rows, k = len(confidence), len(confidence[0])
-    slots = []
+    whole = whole or [False] * rows
+    slots, fixed_tokens, fixed_rows = [], 0.0, 0
     for r in range(rows):
         survival = 1.0
+        if whole[r]:
+            fixed_tokens, fixed_rows = fixed_tokens + 1.0, fixed_rows + k
         for j in range(k):
             c = confidence[r][j]
             c = 0.0 if math.isnan(c) else min(max(c, 0.0), 1.0)
             survival *= c
-            if eligible[r]:
+            if whole[r]:
+                fixed_tokens += survival
+            elif eligible[r]:
                 slots.append((survival, r * k + j, r))
     slots.sort(key=lambda s: (-s[0], s[1]))
-    requests = sum(eligible)
+    requests = sum(e and not w for e, w in zip(eligible, whole, strict=True))
     best, best_value = 0, -1.0
     for b in range(len(slots) + 1):
-        value = (requests + sum(s[0] for s in slots[:b])) / (1.0 + row_cost * (rows + b))
+        tokens = requests + fixed_tokens + sum(s[0] for s in slots[:b])
+        value = tokens / (1.0 + row_cost * (rows + fixed_rows + b))
         if value > best_value:
             best, best_value = b, value
-    counts = [0] * rows
+    counts = [k if w else 0 for w in whole]
     for _, _, r in slots[:best]:
         counts[r] += 1
     return counts
 
 
-def device_counts(confidence, eligible, row_cost):
+def device_counts(confidence, eligible, row_cost, whole=None):
     conf = torch.tensor(confidence, dtype=torch.float32)
     rows, k = conf.shape
+    whole_t = None if whole is None else torch.tensor(whole, dtype=torch.bool)
+    competing = [e and not (whole and whole[r]) for r, e in enumerate(eligible)]
     keep = draft_budget_mask(
         conf,
-        torch.tensor(eligible, dtype=torch.bool),
-        num_eligible=sum(eligible),
-        base_rows=rows,
+        torch.tensor(competing, dtype=torch.bool),
+        num_eligible=sum(competing),
+        base_rows=rows + k * sum(whole or []),
         cost_table=VerifyCost(row_cost).table(rows * (k + 1), "cpu"),
+        whole=whole_t,
     )
     counts = keep.sum(1)
     # The admitted drafts of each request are a prefix (survival never grows along it).
@@ -84,6 +97,31 @@ def test_random_batches_match_the_reference(seed):
     row_cost = float(rng.choice([0.0, 0.01, 0.05, 0.2, 1.0]))
     want = reference_counts(conf, eligible, row_cost)
     assert device_counts(conf, eligible, row_cost) == want
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_whole_rows_keep_every_draft_and_weigh_in_the_budget(seed):
+    """Seeded sampled requests: all k drafts verified, counted in tokens and rows."""
+    rng = np.random.default_rng(100 + seed)
+    rows, k = int(rng.integers(2, 9)), int(rng.integers(1, 6))
+    conf = rng.beta(2, 3, size=(rows, k)).round(3).tolist()
+    eligible = (rng.random(rows) < 0.8).tolist()
+    whole = [bool(e and w) for e, w in zip(eligible, rng.random(rows) < 0.4, strict=True)]
+    row_cost = float(rng.choice([0.0, 0.01, 0.05, 0.2]))
+    got = device_counts(conf, eligible, row_cost, whole)
+    assert got == reference_counts(conf, eligible, row_cost, whole)
+    assert all(n == k for n, w in zip(got, whole, strict=True) if w)
+
+
+def test_a_whole_row_changes_what_the_others_get():
+    """Its expected tokens raise the step's throughput, so a marginal draft elsewhere that
+    was worth its row no longer is (row cost 0.2, hand-checked by the reference)."""
+    conf = [[0.9, 0.9], [0.5, 0.4]]
+    alone = reference_counts(conf, [False, True], 0.2)
+    with_whole = reference_counts(conf, [True, True], 0.2, whole=[True, False])
+    assert alone != with_whole
+    assert device_counts(conf, [False, True], 0.2) == alone
+    assert device_counts(conf, [True, True], 0.2, whole=[True, False]) == with_whole
 
 
 def test_rule_cuts_more_as_rows_get_dearer():
@@ -231,6 +269,41 @@ def test_proposer_cuts_the_fixed_k_drafts_as_the_rule_says(env, monkeypatch, row
         assert got[r, :n].tolist() == want_drafts[r, :n].tolist()
         assert got[r, n:].tolist() == [CUT] * (got.shape[1] - n)
     assert counts[1] == 0  # the prefill chunk's drafts are never admitted
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_sampled_requests_keep_every_draft(env, monkeypatch, async_scheduling):
+    """A seeded sampled request is never cut (its output must not depend on its neighbours);
+    the greedy one is cut as the reference says, with the seeded one weighing in."""
+    from tests.support.tiny import make_proposer
+
+    draft, vc = env
+    monkeypatch.setenv(ROW_COST_ENV, "0.2")
+    monkeypatch.setattr(vc.scheduler_config, "async_scheduling", async_scheduling)
+    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    k = adaptive.num_speculative_tokens
+    inputs = _step_inputs(adaptive, 3) | {
+        "temperature": torch.tensor([0.8, 0.0, 0.0]),
+        "temperature_cpu": np.array([0.8, 0.0, 0.0], dtype=np.float32),
+        "request_seeds": [7, None, None],
+    }
+    got = adaptive.propose(**inputs)
+    confidence = adaptive.last_confidence.float().tolist()
+    counts = reference_counts(confidence, [True, False, True], 0.2, whole=[True, False, False])
+    assert counts[0] == k
+    if async_scheduling:
+        assert adaptive.take_draft_budgets().tolist() == [NO_BUDGET, NO_BUDGET, counts[2]]
+        assert CUT not in got.tolist()[0]
+    else:
+        assert [(row.tolist() + [CUT]).index(CUT) for row in got] == [k, 0, counts[2]]
+    # Unseeded, the same sampled request competes like any other.
+    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    got = adaptive.propose(**(inputs | {"request_seeds": [None, None, None]}))
+    counts = reference_counts(adaptive.last_confidence.float().tolist(), [True, False, True], 0.2)
+    if async_scheduling:
+        assert adaptive.take_draft_budgets().tolist() == [counts[0], NO_BUDGET, counts[2]]
+    else:
+        assert [(row.tolist() + [CUT]).index(CUT) for row in got] == counts
 
 
 @pytest.mark.parametrize("row_cost", ["0.0", "0.05"])

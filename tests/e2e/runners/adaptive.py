@@ -60,21 +60,22 @@ def record_verify_steps(drafter) -> list[dict]:
     return steps
 
 
-def greedy_phase(engine, drafter, all_prompts) -> dict:
-    steps = record_verify_steps(drafter)
+def greedy_phase(engine, drafter, all_prompts, steps: list[dict]) -> dict:
+    first = len(steps)
     drafter.reset_counters()
     add_all(engine, all_prompts, GREEDY, GREEDY_TOKENS)
     outputs, _, num_steps = drive(engine, lambda _: None)
     return {
         "outputs": outputs,
-        "steps": list(steps),  # this phase's steps (the wrapper keeps recording)
+        "steps": steps[first:],  # this phase's steps
         "engine_steps": num_steps,
         "counters": drafter.counters.as_dict(),
     }
 
 
 def sampled_twice(engine, all_prompts) -> list[dict[str, list[int]]]:
-    """The same seeded sampled requests, as the same batch, twice."""
+    """The same seeded sampled requests, as the same batch, twice (the steps recorded by
+    the caller's wrapper)."""
     runs = []
     for run in range(2):
         for i, rid in enumerate(SAMPLED):
@@ -100,15 +101,18 @@ def run(
     engine = make_engine(kwargs)
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     all_prompts = prompts()
+    steps = record_verify_steps(drafter)
     result = {
         "adaptive": drafter.adaptive,
         "scheduler": type(engine.engine_core.engine_core.scheduler).__name__,
-        "greedy": greedy_phase(engine, drafter, all_prompts),
+        "greedy": greedy_phase(engine, drafter, all_prompts, steps),
     }
     if target is not None:
         outputs = result["greedy"]["outputs"]
         result["oracle"] = score(target, all_prompts, outputs, dict.fromkeys(outputs, GREEDY_TOKENS))
+        first = len(steps)
         result["sampled"] = sampled_twice(engine, all_prompts)
+        result["sampled_steps"] = steps[first:]
     return result
 
 

@@ -10,7 +10,9 @@ cost (throughput):
     (requests + S_(1) + ... + S_(b)) / cost(rows + b)
 
 where ``S_(i)`` is the i-th largest survival and ``cost`` the step's cost by verify rows
-(``VerifyCost``). Survival never grows along a request, so the verified drafts of each
+(``VerifyCost``). Seeded sampled requests are left out of the ranking and verify all k
+drafts: a cut decides how many random draws a request makes, and a batch-wide cut would
+make a seeded request's output depend on its neighbours in the step. Survival never grows along a request, so the verified drafts of each
 request are a prefix. The rule runs on the device with static shapes and no device-to-host
 read; how the cut reaches the scheduler depends on the scheduling:
 
@@ -94,13 +96,17 @@ def draft_budget_mask(
     num_eligible: int,
     base_rows: int,
     cost_table: torch.Tensor,
+    whole: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, k]`` bool: the draft slots worth verifying next step.
 
     ``confidence [B, k]`` per-slot acceptance probabilities (device; NaN counts as 0);
-    ``eligible [B]`` (device bool) rows whose drafts reach the scheduler (not pad rows, not
-    requests in chunked prefill); ``num_eligible`` their number and ``base_rows`` the rows
-    the next step has without drafts (one per request), both host ints from the plan;
+    ``eligible [B]`` (device bool) rows whose drafts compete for verification (not pad rows,
+    not requests in chunked prefill, not ``whole`` rows); ``whole [B]`` (device bool, or
+    None) rows that verify all k drafts whatever the rule says (seeded sampled requests):
+    they count in the step's expected tokens and rows but do not compete. ``num_eligible``
+    is the number of eligible rows and ``base_rows`` the rows the next step has before any
+    competing draft (one per request plus k per whole row), both host ints from the plan;
     ``cost_table`` from ``VerifyCost.table`` with at least ``base_rows + num_eligible * k +
     1`` entries. Ties keep the smaller budget; an ineligible row keeps nothing.
     """
@@ -113,10 +119,13 @@ def draft_budget_mask(
     max_budget = num_eligible * k
     gains = torch.cumsum(ranked[:max_budget], dim=0)
     expected = torch.cat([gains.new_zeros(1), gains]) + float(num_eligible)
+    if whole is not None:  # each whole row emits 1 token plus its expected accepted drafts
+        expected = expected + (whole[:, None] * (1.0 + survival.sum(dim=1, keepdim=True))).sum()
     throughput = expected / cost_table[base_rows : base_rows + max_budget + 1]
     budget = torch.argmax(throughput)  # the first maximum: the smallest budget on ties
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(rows * k, device=order.device))
-    return (rank < budget).view(rows, k)
+    keep = (rank < budget).view(rows, k)
+    return keep if whole is None else keep | whole[:, None]
 
 
 def draft_budgets(keep: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:

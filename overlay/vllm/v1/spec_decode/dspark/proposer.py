@@ -294,7 +294,8 @@ class DSparkProposer:
         in chunked prefill (drafts discarded, nothing rejected); ``temperature_cpu [R]``
         (counters); ``finished_req_ids`` released before rows are assigned;
         ``request_seeds [R]`` each request's ``seed=`` (None: one drawn per request), which
-        keys the probabilistic draft noise per request and position.
+        keys the probabilistic draft noise per request and position, and keeps adaptive
+        verification from cutting a seeded sampled request's drafts.
 
         Device data (never read back): ``positions [T]``, ``aux_hidden_states [T, m*H]``
         (concatenated target aux hidden states), ``num_rejected [R]`` rejected verify rows
@@ -310,7 +311,12 @@ class DSparkProposer:
         self.release(finished_req_ids)
         req_ids = list(req_ids)
         plan = self.plan(
-            req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu
+            req_ids,
+            query_start_loc_cpu,
+            num_draft_tokens,
+            prefilling,
+            temperature_cpu,
+            whole=self._uncut_requests(temperature_cpu, request_seeds),
         )
         self.live_request_ids.update(req_ids)
         num_rows, num_reqs = plan.num_rows, plan.num_requests
@@ -351,24 +357,43 @@ class DSparkProposer:
         self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
         return tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
 
+    def _uncut_requests(self, temperature_cpu, request_seeds) -> np.ndarray | None:
+        """Host ``[R]``: requests adaptive verification must not cut, the seeded sampled ones.
+
+        A cut decides how many random draws a request's verification makes, and the cut is
+        batch-wide, so cutting a seeded request would make its output depend on whichever
+        requests share its steps; greedy and unseeded requests lose nothing by it.
+        """
+        if not self.adaptive or temperature_cpu is None or request_seeds is None:
+            return None
+        seeded = np.fromiter((s is not None for s in request_seeds), bool, len(request_seeds))
+        return (np.asarray(temperature_cpu) > 0) & seeded
+
     def _cut(self, plan: StepPlan, drafts: torch.Tensor) -> torch.Tensor:
         """Drafts past each request's verification budget replaced by ``CUT`` (device)."""
         num_reqs = plan.num_requests
         with torch.inference_mode():
+            whole = plan.whole[:num_reqs].bool() if plan.num_whole else None
             eligible = plan.drafting[:num_reqs].bool()
+            if whole is not None:
+                eligible = eligible & ~whole
             keep = draft_budget_mask(
                 self.last_confidence,
                 eligible,
-                num_eligible=num_reqs - plan.num_discarded,
-                base_rows=num_reqs,
+                num_eligible=num_reqs - plan.num_discarded - plan.num_whole,
+                base_rows=num_reqs + plan.num_whole * self.num_speculative_tokens,
                 cost_table=self._cost_table,
+                whole=whole,
             )
             if not self.async_scheduling:
                 return apply_cut(drafts, keep)
             self._draft_budgets = draft_budgets(keep, eligible)
             return drafts
 
-    def plan(self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu):
+    def plan(
+        self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu,
+        whole=None,
+    ):
         """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""
         rank, group = self._tp_rank_group()
         slots = self.slot_table.assign(req_ids)
@@ -378,6 +403,7 @@ class DSparkProposer:
             num_draft_tokens=num_draft_tokens,
             prefilling=prefilling,
             temperature_cpu=temperature_cpu,
+            whole=whole,
             window=self.window,
             num_slots=self.max_num_seqs,
             num_spec_tokens=self.num_speculative_tokens,

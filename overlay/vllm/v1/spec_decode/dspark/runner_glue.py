@@ -123,7 +123,7 @@ def propose_from_runner(
         temperature_cpu=temperature_cpu,
         request_seeds=(
             [runner.requests[rid].sampling_params.seed for rid in req_ids]
-            if drafter.probabilistic
+            if drafter.probabilistic or drafter.adaptive
             else None
         ),
     )

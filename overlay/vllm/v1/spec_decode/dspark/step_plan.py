@@ -47,7 +47,9 @@ class StepPlan:
     draft_rows: int  # R padded to a capture size; pad rows draft from the scratch row
     draft_slots: torch.Tensor  # [draft_rows] ring row per draft row (pads: scratch row S)
     drafting: torch.Tensor  # [draft_rows] 1 where the drafts reach the scheduler, else 0
+    whole: torch.Tensor  # [draft_rows] 1 where adaptive verification must keep all k drafts
     num_discarded: int  # requests still in chunked prefill (their drafts are dropped)
+    num_whole: int  # drafting requests whose drafts are never cut (seeded sampled ones)
     num_verified: int  # draft tokens the target verified this step
     num_sampled: int  # requests drafting at temperature > 0
 
@@ -68,6 +70,7 @@ def plan_step(
     prefilling: Sequence[bool] | np.ndarray | None,
     temperature_cpu: torch.Tensor | np.ndarray | None,
     window: int,
+    whole: Sequence[bool] | np.ndarray | None = None,
     num_slots: int,
     num_spec_tokens: int,
     draft_sizes: Sequence[int],
@@ -80,7 +83,8 @@ def plan_step(
 
     ``num_draft_tokens[r]`` drafts of request ``r`` were verified, so at most that many
     of its rows can be rejected; a request in chunked prefill (``prefilling[r]``)
-    rejects none. Every request keeps at least one row (its anchor).
+    rejects none. Every request keeps at least one row (its anchor). ``whole[r]``: request
+    ``r``'s drafts are never cut by adaptive verification (a seeded sampled request).
     """
     # One host read: the step's layout (none when the runner hands its numpy view).
     num_requests = len(slots)
@@ -115,6 +119,8 @@ def plan_step(
     pad = np.full(draft_rows - num_requests, num_slots, dtype=np.int64)
     arrays["draft_slots"] = np.concatenate([arrays["slots"], pad])
     arrays["drafting"] = np.concatenate([~discard, np.zeros(pad.size, dtype=bool)])
+    whole_rows = _flags("whole", whole, num_requests) & ~discard
+    arrays["whole"] = np.concatenate([whole_rows, np.zeros(pad.size, dtype=bool)])
 
     packed = None
     if num_requests * (num_spec_tokens + 1) < store["num_rows"] <= MAX_PACKED_TOKENS:
@@ -132,13 +138,16 @@ def plan_step(
     tensors = ship(arrays, device)
     draft_slots = tensors.pop("draft_slots")
     drafting = tensors.pop("drafting")
+    whole_dev = tensors.pop("whole")
     return StepPlan(
         store=StorePlan(**store, **tensors),
         packed=packed,
         draft_rows=draft_rows,
         draft_slots=draft_slots,
         drafting=drafting,
+        whole=whole_dev,
         num_discarded=int(discard.sum()),
+        num_whole=int(whole_rows.sum()),
         num_verified=int(drafts.sum()),
         num_sampled=num_sampled,
     )
