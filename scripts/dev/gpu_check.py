@@ -10,6 +10,9 @@ Loads the overlay's pure-torch modules from ``overlay/`` (``overlay_source``) an
 - ``packed_ingest_tp1``: packed-prefill ingestion at TP=1 with a row-local projection,
   against the reference store;
 - ``markov_greedy``: Markov block sampling against a step-by-step Python loop;
+- ``adaptive_rule``: adaptive verification's cut and budgets (whole rows included) on the
+  device against the same rule on the CPU, on confidences whose products and sums are
+  exact in float32, under the sync debug mode on CUDA;
 - ``sync_free``: the device half under ``torch.cuda.set_sync_debug_mode("error")`` (CUDA;
   any device-to-host sync raises);
 - ``graph_replay``: the device half captured as one CUDA graph and replayed on new inputs
@@ -41,6 +44,7 @@ rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
 pp = load_overlay_module("vllm/v1/spec_decode/dspark/packed_prefill.py")
 step_mod = load_overlay_module("vllm/v1/spec_decode/dspark/step_plan.py")
 markov = load_overlay_module("vllm/models/deepseek_v4/common/dspark/markov.py")
+adaptive = load_overlay_module("vllm/v1/spec_decode/dspark/adaptive.py")
 
 WINDOW, DIM, SLOTS, K = 16, 64, 64, 4
 
@@ -129,7 +133,9 @@ def check_mask_and_anchors(step, device):
         draft_rows=plan.num_requests,
         draft_slots=plan.slots,
         drafting=torch.ones_like(plan.slots),
+        whole=torch.zeros_like(plan.slots),
         num_discarded=0,
+        num_whole=0,
         num_verified=0,
         num_sampled=0,
     )
@@ -232,6 +238,39 @@ def check_sync_free(device):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def check_adaptive_rule(device):
+    gen = torch.Generator().manual_seed(7)
+    rows, k = 6, K
+    # Multiples of 1/4: survivals (at most 4 factors) and their sums are exact in float32.
+    confidence = torch.randint(0, 5, (rows, k), generator=gen).float() / 4
+    eligible = torch.tensor([True, True, False, True, True, True])
+    whole = torch.tensor([False, True, False, False, False, False])
+    competing = eligible & ~whole
+    cost = adaptive.VerifyCost(0.05)
+
+    def rule(dev):
+        keep = adaptive.draft_budget_mask(
+            confidence.to(dev), competing.to(dev), num_eligible=int(competing.sum()),
+            base_rows=rows + k * int(whole.sum()), cost_table=cost.table(rows * (k + 1), dev),
+            whole=whole.to(dev),
+        )
+        return keep, adaptive.draft_budgets(keep, competing.to(dev))
+
+    want_keep, want_budgets = rule(torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        keep, budgets = rule(device)
+    except RuntimeError as err:
+        return {"passed": False, "error": str(err)[:300]}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    same = torch.equal(keep.cpu(), want_keep) and torch.equal(budgets.cpu(), want_budgets)
+    return {"passed": bool(same), "budgets": want_budgets.tolist()}
+
+
 def check_graph_replay(device):
     if device.type != "cuda":
         return {"passed": None, "skipped": "CUDA-graph capture needs CUDA"}
@@ -299,6 +338,7 @@ def main(argv=None) -> int:
         "window_mask_and_anchors": check_mask_and_anchors(mixed, device),
         "packed_ingest_tp1": check_packed(device),
         "markov_greedy": check_markov(device),
+        "adaptive_rule": check_adaptive_rule(device),
         "sync_free": check_sync_free(device),
         "graph_replay": check_graph_replay(device),
         "flat_vs_ragged_ms": time_paths(device),
