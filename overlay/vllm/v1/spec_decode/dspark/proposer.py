@@ -370,7 +370,11 @@ class DSparkProposer:
         return (np.asarray(temperature_cpu) > 0) & seeded
 
     def _cut(self, plan: StepPlan, drafts: torch.Tensor) -> torch.Tensor:
-        """Drafts past each request's verification budget replaced by ``CUT`` (device)."""
+        """Drafts past each request's verification budget replaced by ``CUT`` (device).
+
+        Under async scheduling the drafts stay whole (the scheduler already reserved the
+        next step's slots) and the per-request budgets wait for the step's output.
+        """
         num_reqs = plan.num_requests
         with torch.inference_mode():
             whole = plan.whole[:num_reqs].bool() if plan.num_whole else None
