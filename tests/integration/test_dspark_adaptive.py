@@ -353,7 +353,7 @@ def test_budgets_reach_the_scheduler_with_the_step_output():
     assert with_draft_budgets(inner, Drafter(None)) is inner
     wrapped = with_draft_budgets(inner, Drafter(torch.tensor([2, NO_BUDGET, 0], dtype=torch.int32)))
     assert isinstance(wrapped, AsyncModelRunnerOutput)
-    assert wrapped.sampled_token_ids_cpu == "inner's"  # what the runner reads off it
+    assert wrapped.sampled_token_ids_cpu == "inner's"  # the inner's attributes still read
     output = wrapped.get_output()
     assert output.sampled_token_ids == [[1], [2, 3], [4]]
     assert output.dspark_draft_budgets == {"a": 2, "c": 0}

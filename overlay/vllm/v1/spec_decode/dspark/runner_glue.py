@@ -4,7 +4,9 @@
 step, scheduled or not: it frees the ring rows of requests that left and publishes the
 metrics. ``propose_from_runner`` runs from the patch of ``propose_draft_token_ids`` right
 after rejection sampling. ``with_draft_budgets`` wraps the async scheduler's step output
-so adaptive verification's per-request budgets reach the scheduler with the sampled tokens. Host facts come from the runner's host copies (``query_start_loc_cpu``,
+so adaptive verification's per-request budgets reach the scheduler with the sampled tokens.
+
+Host facts come from the runner's host copies (``query_start_loc_cpu``,
 the scheduler's draft counts, the discard mask, the temperatures, the request states);
 the rejection counts and anchors are computed on the device from the sampled tokens and
 never read back, so the step stays free of device-to-host syncs.
@@ -146,14 +148,15 @@ class _OutputWithDraftBudgets(AsyncModelRunnerOutput):
             self._copied.record()
 
     def __getattr__(self, name: str) -> Any:
-        # sampled_token_ids_cpu, async_copy_ready_event, ...: the runner reads the inner's.
+        # The runner reads the inner's attributes before wrapping; anything reading them
+        # later (sampled_token_ids_cpu, ...) still gets the inner's.
         return getattr(self._inner, name)
 
     def get_output(self):
         output = self._inner.get_output()
         if self._copied is not None:
             self._copied.synchronize()
-        budgets = self._budgets_cpu.tolist()
+        budgets = self._budgets_cpu.tolist()  # a host copy, read in the output thread
         output.dspark_draft_budgets = {
             rid: b for rid, b in zip(output.req_ids, budgets, strict=True) if b >= 0
         }
