@@ -118,6 +118,11 @@ COMPOSE := docker compose -f docker/compose.yaml --env-file $(SPARK_ENV)
 DSPARK_IMAGE ?= $(or $(shell sed -n 's/^DSPARK_IMAGE=//p' $(SPARK_ENV) 2>/dev/null),dspark-vllm:local)
 OVERLAY_VERSION = $(shell sed -n 's/^overlay_version:[[:space:]]*//p' overlay/manifest.yaml | tr -d "\"' ")
 
+# The Dockerfile's escape hatches: an exact precompiled vLLM wheel (URL or path) for the pinned
+# commit instead of the one vLLM looks up; DOWNLOAD_KERNELS=0 skips FlashInfer's prebuilt kernels.
+VLLM_PRECOMPILED_WHEEL_LOCATION ?=
+DOWNLOAD_KERNELS ?= 1
+
 image: ## build the Spark image on this node (aarch64, CUDA 13, sm_121; pins from recipe/)
 	eval "$$($(PYTHON) -m scripts.recipe pins --as env)" && \
 	  DOCKER_BUILDKIT=1 docker build -f docker/Dockerfile -t $(DSPARK_IMAGE) \
@@ -126,6 +131,8 @@ image: ## build the Spark image on this node (aarch64, CUDA 13, sm_121; pins fro
 	    --build-arg VLLM_GIT_COMMIT="$$VLLM_GIT_COMMIT" --build-arg VLLM_REPO="$$VLLM_REPO" \
 	    --build-arg TORCH_CUDA_ARCH_LIST="$$TORCH_CUDA_ARCH_LIST" \
 	    --build-arg OVERLAY_VERSION="$(OVERLAY_VERSION)" \
+	    --build-arg VLLM_PRECOMPILED_WHEEL_LOCATION="$(VLLM_PRECOMPILED_WHEEL_LOCATION)" \
+	    --build-arg DOWNLOAD_KERNELS="$(DOWNLOAD_KERNELS)" \
 	    --build-arg RECIPE_REVISION="$$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" .
 
 up: ## preflight this node, then start its rank (NODE_RANK in docker/.env) in the background

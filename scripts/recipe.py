@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from scripts import recipe_extra_args
+
 REPO = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO / "recipe" / "profiles"
 PINS_FILE = REPO / "recipe" / "pins.yaml"
@@ -154,6 +156,8 @@ SCHEMA: dict[str, Any] = {
         "reasoning_parser": Field(str, choices=CHAT_PARSERS),
         "thinking": Field((bool, str), choices=tuple(THINKING_VALUES), describe="on or off"),
         "prompt_tokens_details": Field(bool),
+        # vLLM serve arguments without a key here, rendered last (scripts/recipe_extra_args.py).
+        "extra_args": Field(list),
     },
     "speculative": {
         "method": Field(str, choices=("dspark", "none")),
@@ -173,6 +177,7 @@ SCHEMA: dict[str, Any] = {
     },
 }
 OPTIONAL_SECTIONS = {"env", "demo"}
+OPTIONAL_KEYS = {"serving.extra_args"}
 ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
@@ -206,7 +211,7 @@ def _check_section(prefix: str, schema: dict, data: Any, problems: list[str]) ->
     for key, spec in schema.items():
         full = f"{prefix}{key}"
         if key not in data:
-            if not prefix and key in OPTIONAL_SECTIONS:
+            if not prefix and key in OPTIONAL_SECTIONS or full in OPTIONAL_KEYS:
                 continue
             problems.append(f"{full}: missing; expected {_describe(spec)}")
         elif isinstance(spec, dict) and key != "env":
@@ -295,6 +300,8 @@ def validate(profile: Any) -> dict:
         _check_env(profile["env"], problems)
     if not problems:
         _check_combinations(profile, problems)
+    if not problems:
+        recipe_extra_args.check_profile(profile, problems, serve_argv)
     if problems:
         raise RecipeError(problems)
     return profile
@@ -514,7 +521,7 @@ def serve_argv(
                 argv.append("--headless")
         if master_addr:
             argv += ["--master-addr", master_addr]
-    return argv
+    return argv + srv.get("extra_args", [])
 
 
 def vllm_env(profile: dict) -> dict[str, str]:
