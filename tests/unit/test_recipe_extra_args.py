@@ -4,9 +4,8 @@ tests/integration/test_recipe_extra_args_vllm.py."""
 
 from __future__ import annotations
 
-import yaml
-
 import pytest
+import yaml
 
 from scripts import recipe, recipe_extra_args
 from tests.support.paths import REPO
