@@ -1,13 +1,9 @@
 #!/usr/bin/env python3
 """Micro-benchmark for packed multi-request DSpark prefill (CPU).
 
-1. Request ownership: ``local_request_ids`` (O(L + R) scatter + prefix sum) against the
-   naive O(L x R) scan (every row compared with every request interval, vectorised, so
-   the baseline is the fastest form of the nested scan) and ``searchsorted`` (O(L log R)),
-   at N = 8192 for R in {1, 64, 1024, 4096}.
-2. Ingestion: ``ingest_packed_prefill`` at TP=1 (one process, one thread) against TP=2
-   (two gloo processes on 127.0.0.1, one thread each: two "devices" that each project
-   half the rows, then all-gather), for N in {512, 2048, 8192}. The projection has the
+Ingestion as the product runs it (``plan_step`` then ``ingest_packed_prefill``) at TP=1
+(one process, one thread) against TP=2 (two gloo processes on 127.0.0.1, one thread each:
+two "devices" that each project half the rows, then all-gather), for N in {512, 2048, 8192}. The projection has the
    DSV4 draft's shape (main_proj + main_norm, one W_kv per draft layer), scaled down in
    width so it runs in seconds on a laptop; the cache row is the real 512 wide.
 
@@ -27,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from scripts.dev.overlay_source import load_overlay_module
@@ -38,6 +35,7 @@ OUT_DIR = ROOT / "bench-results"
 pp = load_overlay_module("vllm/v1/spec_decode/dspark/packed_prefill.py")
 dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
 rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
+step_plan = load_overlay_module("vllm/v1/spec_decode/dspark/step_plan.py")
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -49,69 +47,6 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
-
-
-# ---------------------------------------------------------------------------
-# 1. Ownership
-# ---------------------------------------------------------------------------
-
-
-def naive_request_ids(qsl: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """O(L x R): test every local row against every request interval."""
-    n = int(qsl[-1])
-    rows = -(-n // tp)
-    packed = rank * rows + torch.arange(rows)
-    inside = (packed[:, None] >= qsl[None, :-1]) & (packed[:, None] < qsl[None, 1:])  # [L, R]
-    found = inside.any(1)
-    return torch.where(found, inside.int().argmax(1), -1).int()
-
-
-def searchsorted_request_ids(qsl: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """O(L log R): binary search of each row in the request ends."""
-    n = int(qsl[-1])
-    rows = -(-n // tp)
-    packed = rank * rows + torch.arange(rows)
-    ids = torch.searchsorted(qsl[1:], packed, right=True)
-    return torch.where(packed < n, ids, -1).int()
-
-
-def bench_ownership(requests: list[int], num_tokens: int, tp: int, repeats: int) -> list[dict]:
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    rank = tp - 1  # the rank that also holds the pad rows
-    out = []
-    for num_requests in requests:
-        cuts = torch.randperm(num_tokens - 1, generator=gen)[: num_requests - 1] + 1
-        qsl = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([num_tokens])])
-        plan = pp.plan_packed_prefill(qsl, tp)
-        ours = pp.local_request_ids(plan, rank)
-        assert torch.equal(ours, naive_request_ids(qsl, tp, rank))
-        assert torch.equal(ours, searchsorted_request_ids(qsl, tp, rank))
-        t_ours = median_time(lambda plan=plan: pp.local_request_ids(plan, rank), repeats)
-        t_naive = median_time(lambda q=qsl: naive_request_ids(q, tp, rank), repeats)
-        t_ss = median_time(lambda q=qsl: searchsorted_request_ids(q, tp, rank), repeats)
-        row = {
-            "R": num_requests,
-            "N": num_tokens,
-            "tp": tp,
-            "L": plan.rows_per_rank,
-            "local_request_ids_s": t_ours,
-            "naive_scan_s": t_naive,
-            "searchsorted_s": t_ss,
-            "speedup_vs_naive": t_naive / t_ours,
-        }
-        out.append(row)
-        print(
-            f"  R={num_requests:5d} L={plan.rows_per_rank}: local_request_ids "
-            f"{t_ours * 1e6:9.1f} us | naive O(LxR) {t_naive * 1e6:10.1f} us "
-            f"({t_naive / t_ours:7.1f}x) | searchsorted {t_ss * 1e6:8.1f} us"
-        )
-    return out
-
-
-# ---------------------------------------------------------------------------
-# 2. Ingestion
-# ---------------------------------------------------------------------------
 
 
 class Projection:
@@ -127,7 +62,7 @@ class Projection:
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.rms_norm(x @ self.main_proj.T, (self.main_proj.shape[0],))
         kv = (h @ self.w_kv.T).view(x.shape[0], self.layers, self.dim)
-        return torch.nn.functional.rms_norm(kv, (self.dim,))
+        return torch.nn.functional.rms_norm(kv, (self.dim,)).view(x.shape[0], -1)
 
 
 def ingest_inputs(num_tokens: int, args) -> dict:
@@ -148,18 +83,17 @@ def ingest_inputs(num_tokens: int, args) -> dict:
     }
 
 
-def fresh_caches(num_slots: int, args) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [
-        rings.allocate_rings(num_slots, args.window, args.dim, torch.float32, "cpu")
-        for _ in range(args.layers)
-    ]
+def fresh_ring(num_slots: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The proposer's ring: every draft layer's context KV side by side in one row."""
+    return rings.allocate_rings(num_slots, args.window, args.layers * args.dim, torch.float32, "cpu")
 
 
 def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict[str, float]]:
     """Median seconds per chunk: ``total`` (slowest rank) and ``project`` (its projection).
 
-    ``total - project`` is what packing costs on top of the projection: checks, padding,
-    the all-gather and the ring store of all N rows (every rank stores the full chunk).
+    ``total - project`` is what packing costs on top of the projection: the host plan
+    (checks, layout, one copy), padding, the all-gather and the ring store of all N rows
+    (every rank stores the full chunk).
     """
     projection = Projection(args.taps, args.hidden, args.layers, args.dim)
     spent = []
@@ -173,24 +107,38 @@ def time_ingest(tp: int, rank: int, group, args, barrier=None) -> dict[int, dict
     times = {}
     for num_tokens in args.ingest_tokens:
         inp = ingest_inputs(num_tokens, args)
-        plan = pp.plan_packed_prefill(inp["qsl"], tp, rank=rank, group=group)
-        store = dr.plan_store(
-            inp["qsl"], inp["slots"], window=args.window, num_slots=plan.num_requests
-        )
-        caches = fresh_caches(plan.num_requests, args)
+        num_requests = len(inp["slots"])
+        ring = fresh_ring(num_requests, args)
+        no_rejections = torch.zeros(num_requests, dtype=torch.int64)
         totals, projects = [], []
         for i in range(args.repeats + 1):
             if barrier is not None:
                 barrier()
             start = time.perf_counter()
+            plan = step_plan.plan_step(
+                inp["qsl"].numpy(),
+                inp["slots"].tolist(),
+                num_draft_tokens=np.zeros(num_requests, dtype=np.int64),
+                prefilling=np.ones(num_requests, dtype=bool),
+                temperature_cpu=None,
+                never_cut=None,
+                window=args.window,
+                num_slots=num_requests,
+                num_spec_tokens=1,
+                draft_sizes=[num_requests],
+                tp_size=tp,
+                rank=rank,
+                group=group,
+            )
             pp.ingest_packed_prefill(
-                plan,
-                store,
+                plan.packed,
+                plan.store,
                 inp["features"],
                 inp["positions"],
                 project,
-                caches,
+                ring,
                 max_model_len=1 << 20,
+                accepted=dr.last_accepted(plan.store, inp["positions"], no_rejections),
             )
             sample = torch.tensor([time.perf_counter() - start, spent[-1]], dtype=torch.float64)
             if group is not None:  # a step ends when the slowest rank ends
@@ -292,23 +240,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    own = result["ownership"]
-    rs = [row["R"] for row in own]
-    for key, label in (
-        ("local_request_ids_s", "local_request_ids O(L+R)"),
-        ("searchsorted_s", "searchsorted O(L log R)"),
-        ("naive_scan_s", "naive scan O(L x R)"),
-    ):
-        ax1.plot(rs, [row[key] * 1e6 for row in own], marker="o", label=label)
-    ax1.set(
-        xscale="log",
-        yscale="log",
-        xlabel="requests R",
-        ylabel="median us per call",
-        title=f"request ownership, N={own[0]['N']}, L={own[0]['L']}",
-    )
-    ax1.legend()
+    fig, ax2 = plt.subplots(figsize=(6, 4))
     ing = result["ingestion"]
     ns = [row["N"] for row in ing]
     xs = range(len(ns))
@@ -344,9 +276,6 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--requests", type=int, nargs="+", default=[1, 64, 1024, 4096])
-    parser.add_argument("--ownership-tokens", type=int, default=pp.MAX_PACKED_TOKENS)
-    parser.add_argument("--ownership-tp", type=int, default=2)
     parser.add_argument("--ingest-tokens", type=int, nargs="+", default=[512, 2048, pp.MAX_PACKED_TOKENS])
     parser.add_argument("--ingest-requests", type=int, default=16)
     parser.add_argument("--taps", type=int, default=3, help="target layers tapped (DSV4: 3)")
@@ -356,11 +285,6 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--out", type=Path, default=OUT_DIR / "packed_prefill.json")
     args = parser.parse_args()
-
-    print(f"ownership at N={args.ownership_tokens}, TP={args.ownership_tp} (last rank), 1 thread")
-    ownership = bench_ownership(
-        args.requests, args.ownership_tokens, args.ownership_tp, max(args.repeats, 20)
-    )
 
     print(
         f"ingestion: {args.ingest_requests} requests, taps={args.taps} hidden={args.hidden} "
@@ -402,7 +326,6 @@ def main() -> None:
         "load_average_1m": os.getloadavg()[0],
         "repeats": args.repeats,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "ownership": ownership,
         "ingestion": ingestion,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -410,6 +333,11 @@ def main() -> None:
     png = args.out.with_suffix(".png")
     plot(result, png)
     print(f"wrote {args.out} and {png}")
+    largest = ingestion[-1]
+    print(
+        f"packed_prefill: TP=2 ingests N={largest['N']} at {largest['speedup_tp2']:.2f}x "
+        "the speed of TP=1"
+    )
 
 
 if __name__ == "__main__":

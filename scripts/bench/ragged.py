@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Micro-benchmark of the DSpark context-KV store (overlay ``dspark_ragged``).
+"""Micro-benchmark of the DSpark context-KV store (overlay ``context_store``).
 
 Four implementations get the same inputs in the same run:
 
-- ``ours``: ``dspark_ragged.plan_store`` (host plan, all checks) + ``store_context_kv``
-  (vectorised device store, flat or ragged path), timed together;
+- ``ours``: the product's ``plan_step`` (host plan, all checks, one copy) +
+  ``store_context_kv`` (vectorised device store, flat or ragged path), timed together;
 - ``loop``: the public recipes' per-request Python loop (slice, keep the last W, keep
   old ring values for rejected rows, ``index_copy_``);
 - ``loop_lean``: the leanest per-request loop we could write (a stricter baseline);
@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from scripts.dev.overlay_source import load_overlay_module
@@ -42,6 +43,7 @@ OUT_DIR = ROOT / "bench-results"
 VERIFY_ROWS = 6  # anchor + 5 drafts
 
 dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
+step_plan = load_overlay_module("vllm/v1/spec_decode/dspark/step_plan.py")
 # One engine step carries at most the packed prefill cap (the overlay's constant, one source).
 MAX_TOKENS = load_overlay_module(
     "vllm/v1/spec_decode/dspark/packed_prefill.py"
@@ -124,10 +126,21 @@ def padding_bytes(qsl, dim, elem_size):
 
 def store_ours(cache, cache_pos, kv, positions, qsl, slots, num_rejected):
     """Plan on the host, then the device store; the cache's last row is the scratch row."""
-    plan = dr.plan_store(
-        qsl, slots, num_rejected, window=cache.shape[1], num_slots=cache.shape[0] - 1
-    )
-    dr.store_context_kv(cache, cache_pos, kv, positions, plan, num_rejected)
+    bound = num_rejected.numpy()
+    plan = step_plan.plan_step(
+        qsl.numpy(),
+        slots.tolist(),
+        num_draft_tokens=bound,
+        prefilling=np.zeros(bound.size, dtype=bool),
+        temperature_cpu=None,
+        never_cut=None,
+        window=cache.shape[1],
+        num_slots=cache.shape[0] - 1,
+        num_spec_tokens=max(int(bound.max()), 1),
+        draft_sizes=[bound.size],
+    ).store
+    accepted = dr.last_accepted(plan, positions, num_rejected)
+    dr.store_context_kv(cache, cache_pos, kv, positions, plan, accepted)
 
 
 IMPLS = {

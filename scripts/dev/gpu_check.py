@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import torch
 
 from scripts.dev.overlay_source import load_overlay_module
@@ -86,29 +87,41 @@ def make_step(lengths, rejected, seed):
 
 
 def plan_for(step, device, ragged_forced=False):
+    """The product's step plan of ``step`` (every request greedy, nobody in prefill)."""
     if ragged_forced:  # the ragged path on a uniform step: compare it with the flat one
         with mock.patch.object(dr, "is_flat_step", lambda lengths: False):
             return plan_for(step, device)
-    return dr.plan_store(
-        torch.tensor(step["qsl"]),
+    num_requests = len(step["slots"])
+    return step_mod.plan_step(
+        np.array(step["qsl"]),
         step["slots"],
-        step["bound"],
+        num_draft_tokens=np.array(step["bound"]),
+        prefilling=np.zeros(num_requests, dtype=bool),
+        temperature_cpu=None,
+        never_cut=None,
         window=WINDOW,
         num_slots=SLOTS,
+        num_spec_tokens=K,
+        draft_sizes=[num_requests],
         device=device,
     )
 
 
+def store(cache, cache_pos, kv, positions, plan, rejected):
+    """The device half of the ring store: accepted rows from the rejection counts, then store."""
+    dr.store_context_kv(cache, cache_pos, kv, positions, plan, dr.last_accepted(plan, positions, rejected))
+
+
 def device_store(step, device, ragged_forced=False):
     cache, cache_pos = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
-    plan = plan_for(step, device, ragged_forced)
+    plan = plan_for(step, device, ragged_forced).store
     args = (
         step["kv"].to(device),
         torch.tensor(step["positions"], device=device),
         plan,
         torch.tensor(step["rejected"], device=device),
     )
-    dr.store_context_kv(cache, cache_pos, *args)
+    store(cache, cache_pos, *args)
     return cache, cache_pos, plan, args
 
 
@@ -127,19 +140,8 @@ def check_mask_and_anchors(step, device):
     cache, cache_pos, plan, (_, positions, _, rejected) = device_store(step, device)
     qsl, pos = step["qsl"], step["positions"]
     anchors = [pos[qsl[r + 1] - 1 - step["rejected"][r]] + 1 for r in range(len(qsl) - 1)]
-    splan = step_mod.StepPlan(
-        store=plan,
-        packed=None,
-        draft_rows=plan.num_requests,
-        draft_slots=plan.slots,
-        drafting=torch.ones_like(plan.slots),
-        whole=torch.zeros_like(plan.slots),
-        num_discarded=0,
-        num_whole=0,
-        num_verified=0,
-        num_sampled=0,
-    )
-    got = step_mod.draft_anchor_positions(splan, positions, rejected).cpu().tolist()
+    accepted = dr.last_accepted(plan, positions, rejected)
+    got = step_mod.draft_anchor_positions(plan_for(step, device), accepted).cpu().tolist()
     mask = dr.window_mask(cache_pos, plan.slots, torch.tensor(anchors, device=device), WINDOW)
     held = cache_pos.cpu()
     want = [
@@ -154,27 +156,26 @@ def check_packed(device):
     weight = torch.randn(2 * DIM, DIM, generator=torch.Generator().manual_seed(1))
 
     def project(x, pos):  # row-local, exact in float32 then rounded: batching-independent
-        return ((x.float() @ weight.to(x.device)) + pos[:, None].float()).to(torch.bfloat16)[
-            :, None
-        ]
+        return ((x.float() @ weight.to(x.device)) + pos[:, None].float()).to(torch.bfloat16)
 
     features = torch.randn(step["qsl"][-1], 2 * DIM, generator=torch.Generator().manual_seed(2))
     cache, cache_pos = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, device)
-    qsl = torch.tensor(step["qsl"])
-    positions = torch.tensor(step["positions"])
+    positions = torch.tensor(step["positions"], device=device)
+    plan = plan_for(step, device)
+    rejected = torch.tensor(step["rejected"], device=device)
     pp.ingest_packed_prefill(
-        pp.plan_packed_prefill(qsl, 1),
-        plan_for(step, device),
+        plan.packed,
+        plan.store,
         features.to(device),
-        positions.to(device),
+        positions,
         project,
-        [(cache, cache_pos)],
+        (cache, cache_pos),
         max_model_len=4096,
-        num_rejected=torch.tensor(step["rejected"], device=device),
+        accepted=dr.last_accepted(plan.store, positions, rejected),
     )
     ref_c, ref_p = rings.allocate_rings(SLOTS, WINDOW, DIM, torch.bfloat16, "cpu")
     # The device's own projection of the same N rows: this checks routing, not matmul.
-    kv = project(features.to(device), positions.to(device))[:, 0].cpu()
+    kv = project(features.to(device), positions).cpu()
     reference_store(
         ref_c, ref_p, kv, step["positions"], step["qsl"], step["slots"], step["rejected"]
     )
@@ -210,8 +211,9 @@ def check_markov(device):
 
 def device_half(step, device, cache, cache_pos, plan, kv, positions, rejected, markov_args):
     """Store + anchors + window mask + Markov sampling: what a captured step replays."""
-    dr.store_context_kv(cache, cache_pos, kv, positions, plan, rejected)
-    anchor_pos = positions.index_select(0, plan.seg_end - 1 - rejected) + 1
+    accepted = dr.last_accepted(plan, positions, rejected)
+    dr.store_context_kv(cache, cache_pos, kv, positions, plan, accepted)
+    anchor_pos = accepted.last_pos + 1
     mask = dr.window_mask(cache_pos, plan.slots, anchor_pos, WINDOW)
     logits, anchor, w1, w2 = markov_args
     tokens = markov.markov_block_sample(logits, anchor, lambda t: w1[t], lambda e: e @ w2).tokens
@@ -312,7 +314,7 @@ def time_paths(device, repeats=20):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            dr.store_context_kv(cache, cache_pos, *args)
+            store(cache, cache_pos, *args)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             samples.append((time.perf_counter() - start) * 1e3)

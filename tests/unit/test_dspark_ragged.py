@@ -1,7 +1,9 @@
 """Tests for the ragged DSpark context path (overlay/vllm/v1/spec_decode/dspark/context_store.py).
 
 Every store result is compared bitwise against `reference_store`, a plain per-request,
-per-row Python loop written here from the issue's contract (not from the module).
+per-row Python loop written here from the contract (not from the module). Store plans come
+from the product's planner (`plan_step`, through `tests.support.step_plans`), so a step here
+obeys what the runner guarantees: every request keeps its anchor row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.overlay import load_overlay_module
+from tests.support.step_plans import store_plan
 
 dr = load_overlay_module("vllm/v1/spec_decode/dspark/context_store.py")
 rings = load_overlay_module("vllm/v1/spec_decode/dspark/rings.py")
@@ -89,16 +92,13 @@ def store(cache, cache_pos, kv, positions, qsl, slots, rej=None, bound=None):
     store gets the actual ``rej``.
     """
     num_slots, window = cache.shape[:2]
-    plan = dr.plan_store(
-        qsl,
-        slots,
-        rej if bound is None else bound,
-        window=window,
-        num_slots=num_slots,
+    plan = store_plan(
+        qsl, slots, rej if bound is None else bound, window=window, num_slots=num_slots
     )
     ext_c, ext_p = torch.cat([cache, cache[:1]]), torch.cat([cache_pos, cache_pos[:1]])
-    rej = None if rej is None else torch.as_tensor(rej)
-    dr.store_context_kv(ext_c, ext_p, kv, positions.long(), plan, rej)
+    rej = torch.zeros(plan.num_requests, dtype=torch.int64) if rej is None else torch.as_tensor(rej)
+    accepted = dr.last_accepted(plan, positions.long(), rej)
+    dr.store_context_kv(ext_c, ext_p, kv, positions.long(), plan, accepted)
     cache.copy_(ext_c[:num_slots])
     cache_pos.copy_(ext_p[:num_slots])
     return plan
@@ -129,12 +129,12 @@ def ragged_steps(draw, window, dtype):
     for _ in range(num_requests):
         if draw(st.integers(0, 3)) == 0:  # prefill chunk
             n = draw(st.integers(1, 300))
-            # Mostly 0; sometimes nothing accepted, or a partial suffix (the contract
-            # allows it, and it separates "last W accepted" from "last W rows").
-            rej = draw(st.one_of(st.just(0), st.just(n), st.integers(0, n)))
-        else:  # verify rows: anchor + drafts, a suffix rejected
+            # Mostly 0; sometimes all but the first row, or a partial suffix (it separates
+            # "last W accepted" from "last W rows").
+            rej = draw(st.one_of(st.just(0), st.just(n - 1), st.integers(0, n - 1)))
+        else:  # verify rows: anchor + drafts, a suffix rejected (never the anchor)
             n = draw(st.integers(1, 6))
-            rej = draw(st.integers(0, n))
+            rej = draw(st.integers(0, n - 1))
         lengths.append(n)
         rejected.append(rej)
         starts.append(draw(st.integers(0, 1000)))
@@ -161,7 +161,7 @@ def build_step(num_requests, window, dtype, num_slots, lengths, rejected, starts
     slots = torch.randperm(num_slots, generator=gen)[:num_requests]
     rej = torch.tensor(rejected)
     slack = torch.randint(0, 3, (num_requests,), generator=gen)
-    bound = torch.minimum(rej + slack, torch.tensor(lengths))
+    bound = torch.minimum(rej + slack, torch.tensor(lengths) - 1)
     return cache, cache_pos, kv, positions, qsl_of(lengths), slots, rej, bound
 
 
@@ -200,7 +200,7 @@ def test_flat_path_equals_ragged_path_on_uniform_batches(
         positions = positions.reshape(-1)
     kv = torch.randn(positions.numel(), 8, generator=gen).to(dtype)
     slots = torch.randperm(num_requests + 3, generator=gen)[:num_requests]
-    rej = torch.randint(0, seg_len + 1, (num_requests,), generator=gen) if with_rejections else None
+    rej = torch.randint(0, seg_len, (num_requests,), generator=gen) if with_rejections else None
     cache, cache_pos = make_cache(num_requests + 3, window, 8, dtype, gen)
     qsl = qsl_of(lengths)
 
@@ -360,7 +360,7 @@ def test_non_contiguous_kv_and_cache_views(lo, hi):
     assert_bitwise_equal(after, untouched)
 
 
-def test_empty_and_fully_rejected_segments_write_nothing():
+def test_rejected_rows_write_nothing_and_the_anchor_is_kept():
     cache = torch.ones(3, 4, 2)
     cache_pos = torch.full((3, 4), 7)
     kv = torch.zeros(5, 2)
@@ -369,14 +369,15 @@ def test_empty_and_fully_rejected_segments_write_nothing():
         cache_pos,
         kv,
         torch.tensor([10, 11, 12, 0, 1]),
-        torch.tensor([0, 0, 3, 5]),
-        torch.tensor([0, 1, 2]),
-        torch.tensor([0, 3, 1]),
+        torch.tensor([0, 3, 5]),
+        torch.tensor([1, 2]),
+        torch.tensor([2, 1]),
     )
-    # Request 0 has no rows, request 1 rejected all 3, request 2 keeps position 0 only.
-    assert (cache[:2] == 1).all() and (cache_pos[:2] == 7).all()
-    assert cache_pos[2].tolist() == [0, 7, 7, 7]
-    assert cache[2, 0].tolist() == [0.0, 0.0] and (cache[2, 1:] == 1).all()
+    # Request 0 keeps only position 10 (cell 2), request 1 only position 0 (cell 0).
+    assert (cache[0] == 1).all() and (cache_pos[0] == 7).all()
+    assert cache_pos[1].tolist() == [7, 7, 10, 7] and cache_pos[2].tolist() == [0, 7, 7, 7]
+    assert cache[1, 2].tolist() == [0.0, 0.0] and cache[2, 0].tolist() == [0.0, 0.0]
+    assert (cache[1, [0, 1, 3]] == 1).all() and (cache[2, 1:] == 1).all()
 
 
 # ---------------------------------------------------------------------------
@@ -385,8 +386,8 @@ def test_empty_and_fully_rejected_segments_write_nothing():
 
 
 def _plan(qsl, slots=None, bound=None, window=8, num_slots=8):
-    slots = list(range(len(qsl) - 1)) if slots is None else slots
-    return dr.plan_store(torch.tensor(qsl), slots, bound, window=window, num_slots=num_slots)
+    slots = list(range(max(len(qsl) - 1, 0))) if slots is None else slots
+    return store_plan(qsl, slots, bound, window=window, num_slots=num_slots)
 
 
 def test_plan_layout_flat_and_ragged():
@@ -406,21 +407,20 @@ def test_plan_layout_flat_and_ragged():
 @pytest.mark.parametrize(
     ("call", "needle"),
     [
-        (lambda: _plan([1, 3]), r"query_start_loc\[0\] must be 0"),
-        (lambda: _plan([0, 3, 2]), "non-decreasing: request 1"),
-        (lambda: _plan([0.0, 3.0]), "query_start_loc must be an integer"),
-        (lambda: _plan([]), r"R\+1"),
-        (lambda: _plan([[0, 3]], slots=[0]), "query_start_loc must have shape"),
-        (lambda: _plan([0, 3, 5], bound=[0]), "num_rejected must have shape"),
-        (lambda: _plan([0, 3, 5], bound=[0, 3]), "num_rejected.* must be <= segment length"),
-        (lambda: _plan([0, 3, 5], bound=[-1, 0]), "num_rejected must be >= 0"),
-        (lambda: _plan([0, 3, 5], bound=[0.0, 1.0]), "num_rejected must be an integer"),
-        (lambda: _plan([0, 3, 5], slots=[0]), r"slots must have shape \[R\]"),
+        (lambda: _plan([1, 3]), r"query_start_loc_cpu\[0\] must be 0"),
+        (lambda: _plan([0, 3, 2]), r"request 1 has -1 rows"),
+        (lambda: _plan([0.0, 3.0]), "query_start_loc_cpu must hold integers"),
+        (lambda: _plan([]), r"query_start_loc_cpu must have shape \[1\]"),
+        (lambda: _plan([[0, 3]], slots=[0]), "query_start_loc_cpu must have shape"),
+        (lambda: _plan([0, 3, 5], bound=[0]), "num_draft_tokens must have shape"),
+        (lambda: _plan([0, 3, 5], bound=[0, 2]), r"num_draft_tokens\[r\] must be < its row count"),
+        (lambda: _plan([0, 3, 5], bound=[-1, 0]), r"num_draft_tokens must be in \[0, k=1\]"),
+        (lambda: _plan([0, 3, 5], bound=[0.0, 1.0]), "num_draft_tokens must hold integers"),
+        # R is the number of ring rows the proposer assigned: a mismatched layout is named.
+        (lambda: _plan([0, 3, 5], slots=[0]), r"query_start_loc_cpu must have shape \[2\], got \(3,\)"),
         (lambda: _plan([0, 3, 5], slots=[0, 8]), r"slots must be in \[0, S=8\)"),
         (lambda: _plan([0, 3, 5], slots=[-1, 0]), "slots must be in"),
         (lambda: _plan([0, 3, 5], slots=[2, 2]), "slots must be distinct"),
-        (lambda: _plan([0, 3], window=0), "window must be an int >= 1"),
-        (lambda: _plan([0, 3], num_slots=True), "num_slots must be an int >= 1"),
     ],
 )
 def test_plan_rejects_bad_input_with_its_own_message(call, needle):
@@ -430,8 +430,8 @@ def test_plan_rejects_bad_input_with_its_own_message(call, needle):
 
 def test_plan_refuses_device_tensors_it_would_have_to_read():
     meta_qsl = torch.tensor([0, 3]).to("meta")
-    with pytest.raises(ValueError, match="query_start_loc must be a host"):
-        dr.plan_store(meta_qsl, [0], window=4, num_slots=2)
+    with pytest.raises(ValueError, match="query_start_loc_cpu must be a host"):
+        _plan(meta_qsl, slots=[0])
 
 
 # ---------------------------------------------------------------------------
@@ -504,7 +504,7 @@ def test_slot_table_reorder_and_condense_keep_context_with_request():
                 assert cache[slot, c, 0].item() == value[req](int(cache_pos[slot, c]))
     # A new request takes the lowest free row (the one "b" released).
     assert table.assign(["a", "d", "c"]) == [0, 1, 2]
-    assert len(table) == 3 and table.num_free == 1 and "d" in table and "b" not in table
+    assert sorted(table.held_ids) == ["a", "c", "d"]
 
 
 def test_reused_slot_does_not_expose_old_context():
@@ -537,7 +537,7 @@ def test_slot_table_full_and_bad_input():
     table.assign(["a", "b"])
     with pytest.raises(rings.SlotTableFullError, match="full"):
         table.assign(["a", "c"])
-    assert "c" not in table and table.num_free == 0  # all-or-nothing
+    assert sorted(table.held_ids) == ["a", "b"]  # all-or-nothing: "c" got no row
     with pytest.raises(ValueError, match="distinct"):
         table.assign(["a", "a"])
     assert table.release(["never-seen"]) == []
@@ -629,30 +629,24 @@ def test_plan_is_frozen():
         plan.window = 4
 
 
-def test_decreasing_query_start_loc_names_both_entries():
-    with pytest.raises(ValueError) as err:
-        _plan([0, 4, 9, 7])
-    assert str(err.value).endswith(
-        "request 2 has query_start_loc[2]=9, query_start_loc[3]=7"
-    )
-
-
 @pytest.mark.parametrize(
-    "qsl, min_rows, first_bad",
+    "qsl, first_bad",
     [
-        ([0, 0, 4, 3], 0, 2),  # request 0 is empty (allowed: no minimum); request 2 goes backwards
-        ([0, 1, 1, 3], 1, 1),  # packed prefill: request 0 has exactly the minimum, 1 has none
-        ([0, 2, 3, 3, 3], 1, 2),  # two empty requests: the first one is named
+        ([0, 4, 9, 7], 2),  # request 2 goes backwards
+        ([0, 0, 4, 3], 0),  # request 0 is empty (every request keeps its anchor row)
+        ([0, 1, 1, 3], 1),  # request 0 has exactly one row, request 1 none
+        ([0, 2, 3, 3, 3], 2),  # two empty requests: the first one is named
     ],
 )
-def test_bad_query_start_loc_names_the_first_request_below_the_minimum(qsl, min_rows, first_bad):
-    """The message names the first request with fewer than ``min_rows`` rows, read off the
-    list here, not a request that merely has exactly the minimum."""
+def test_bad_query_start_loc_names_the_first_request_without_a_row(qsl, first_bad):
+    """The message names the first request with fewer than one row, read off the list here,
+    not a request that merely has exactly one."""
     with pytest.raises(ValueError) as err:
-        dr.host_layout(torch.tensor(qsl), min_rows=min_rows)
+        _plan(qsl)
     r = first_bad
-    assert str(err.value).endswith(
-        f"request {r} has query_start_loc[{r}]={qsl[r]}, query_start_loc[{r + 1}]={qsl[r + 1]}"
+    assert str(err.value).startswith(
+        f"request {r} has {qsl[r + 1] - qsl[r]} rows (query_start_loc_cpu[{r + 1}] - "
+        f"query_start_loc_cpu[{r}])"
     )
 
 
@@ -663,10 +657,9 @@ def test_plans_compare_by_identity():
     assert first == first and first != second and len({first, second}) == 2
 
 
-@pytest.mark.parametrize("qsl, slots", [([0], []), ([0, 0, 0], [2, 0])])
+@pytest.mark.parametrize("qsl, slots", [([0], [])])
 def test_step_without_rows_writes_nothing(qsl, slots):
-    """No requests, or requests that all have zero rows (a uniform batch on the flat path):
-    the store plans and runs without error and leaves every cell as it was."""
+    """No requests: the store plans and runs without error and leaves every cell as it was."""
     gen = torch.Generator().manual_seed(3)
     cache, cache_pos = make_cache(3, 4, 2, torch.float32, gen)
     want_c, want_p = cache.clone(), cache_pos.clone()
@@ -705,20 +698,18 @@ def test_rows_move_as_16_byte_words_when_their_size_allows(dim, dtype, word):
     assert seen.dtypes[0] == word  # the value scatter (the second one writes positions)
 
 
-def test_step_plan_default_takes_the_flat_path_on_uniform_batches():
-    """store_plan_arrays (as the step plan calls it) keeps the fast path on uniform steps;
-    a ragged plan has no flat segment length (the plan fields before shipping)."""
-    qsl = torch.tensor([0, 4, 8, 12])
-    arrays, uniform = dr.store_plan_arrays(qsl, [0, 1, 2], None, 8, 4)
-    assert uniform["uniform"] and uniform["seg_len"] == 4
-    # The flat path reads no candidate list, so none is shipped to the device.
-    assert arrays["cand_rows"].size == 0 and arrays["cand_req"].size == 0
-    _, ragged = dr.store_plan_arrays(torch.tensor([0, 4, 9]), [0, 1], None, 8, 4)
-    assert not ragged["uniform"] and ragged["seg_len"] == 0
+def test_step_plan_takes_the_flat_path_on_uniform_batches():
+    """The step plan keeps the fast path on uniform steps, and ships no candidate list for
+    it (the flat path reads none); a ragged plan has no flat segment length."""
+    uniform = _plan([0, 4, 8, 12], num_slots=4)
+    assert uniform.uniform and uniform.seg_len == 4
+    assert uniform.cand_rows.numel() == 0 and uniform.cand_req.numel() == 0
+    ragged = _plan([0, 4, 9], num_slots=4)
+    assert not ragged.uniform and ragged.seg_len == 0
 
 
 def test_query_start_loc_not_starting_at_zero_names_its_first_entry():
-    with pytest.raises(ValueError, match=r"^query_start_loc\[0\] must be 0, got 2$"):
+    with pytest.raises(ValueError, match=r"^query_start_loc_cpu\[0\] must be 0, got 2$"):
         _plan([2, 5, 9])
 
 

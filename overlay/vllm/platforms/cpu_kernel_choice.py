@@ -20,6 +20,7 @@ DeepSeek-V4 kernels) and the overlay registers its torch versions of what is mis
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -73,6 +74,7 @@ class KernelChoice:
     reason: str
 
     def log_line(self) -> str:
+        """What the engine log says once per process: which kernels run and why."""
         which = "native (vllm._C)" if self.native_dsv4 else "overlay torch kernels"
         return f"DeepSeek-V4 CPU kernels: {which}: {self.reason}"
 
@@ -169,6 +171,7 @@ def apply_kernel_choice() -> KernelChoice | None:
         if original is not None and needs > choice.probe_limit:
             setattr(torch.cpu, probe, _reports_false(original))
     _APPLIED.append(choice)
+    logging.getLogger(__name__).info(choice.log_line())
     return choice
 
 

@@ -88,10 +88,6 @@ def _store(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor | int) -> No
     flat.index_copy_(0, idx, src)
 
 
-def _scalar(t: torch.Tensor, i: int) -> int:
-    return int(_flat(t)[i])
-
-
 def _segments(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For segments ``[starts[b], starts[b] + counts[b])`` return (owner b, offset) per element.
 

@@ -8,11 +8,11 @@ into those rings, without a Python loop over requests and without padding the st
 
 Plan once, run sync-free (as FlashInfer splits ``plan()`` from ``run()``):
 
-- :func:`plan_store` reads only host metadata (``query_start_loc`` on the CPU, the ring
-  rows from ``rings.SlotTable``, the most rows each request may reject) and holds every
-  check. It fixes which packed rows the store looks at (each request's last
-  ``W + max_rejected`` rows), ships its index tensors to the device in one copy and
-  returns a frozen :class:`StorePlan`.
+- :func:`store_layout` turns one step's host metadata, already checked by
+  ``step_plan.plan_step`` (the one place a step is validated), into the store's host
+  numbers and index arrays. It fixes which packed rows the store looks at (each
+  request's last ``W + max_rejected`` rows); the step plan ships them to the device with
+  its own arrays in one copy and keeps the frozen :class:`StorePlan`.
 - :func:`store_context_kv` and :func:`window_mask` trust the plan:
   no validation, no host read of device data, shapes fixed by the plan. The actual
   rejection counts stay on the device; candidate rows they drop are written to the
@@ -32,13 +32,11 @@ import torch
 __all__ = [
     "AcceptedRows",
     "StorePlan",
-    "host_layout",
     "is_flat_step",
     "last_accepted",
-    "plan_store",
     "ship",
     "store_context_kv",
-    "store_plan_arrays",
+    "store_layout",
     "window_mask",
 ]
 
@@ -60,43 +58,8 @@ def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str,
 
 
 # ---------------------------------------------------------------------------
-# Host plan: every check, once
+# Host layout (the step plan has checked its inputs)
 # ---------------------------------------------------------------------------
-
-
-def _host_ints(name: str, value: object, shape_doc: str) -> np.ndarray:
-    """A 1-D integer host array from a CPU tensor, numpy array or sequence of ints."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise ValueError(f"{name} must be a host (CPU) tensor {shape_doc}, got {value.device}")
-        value = value.numpy()
-    array = np.asarray(value)
-    if array.ndim != 1:
-        raise ValueError(f"{name} must have shape {shape_doc}, got {array.shape}")
-    if array.size and array.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be an integer tensor, got {array.dtype}")
-    return array.astype(np.int64, copy=False)
-
-
-def host_layout(query_start_loc_cpu: object, min_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Checked ``query_start_loc`` and per-request lengths, both int64 numpy (host only).
-
-    ``min_rows=1`` also requires every request to own a row (packed prefill chunks).
-    """
-    qsl = _host_ints("query_start_loc", query_start_loc_cpu, "[R+1]")
-    if qsl.size < 1:
-        raise ValueError("query_start_loc must have R+1 >= 1 entries, got an empty tensor")
-    if qsl[0] != 0:
-        raise ValueError(f"query_start_loc[0] must be 0, got {qsl[0]}")
-    lengths = np.diff(qsl)
-    if lengths.size and lengths.min() < min_rows:
-        r = int((lengths < min_rows).argmax())
-        rule = "strictly increasing (every request has >= 1 row)" if min_rows else "non-decreasing"
-        raise ValueError(
-            f"query_start_loc must be {rule}: request {r} has query_start_loc[{r}]={qsl[r]}, "
-            f"query_start_loc[{r + 1}]={qsl[r + 1]}"
-        )
-    return qsl, lengths
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,58 +85,22 @@ class StorePlan:
     cand_req: torch.Tensor  # [M] request of each candidate (ragged path), device
 
 
-def plan_store(
-    query_start_loc_cpu: object,
-    slots: object,
-    max_rejected: object = None,
-    *,
-    window: int,
-    num_slots: int,
-    device: torch.device | str = "cpu",
-) -> StorePlan:
-    """Validate one step's host metadata and plan its ring store (one copy to ``device``).
-
-    ``query_start_loc_cpu [R+1]`` (host), ``slots [R]`` distinct ring rows in ``[0, S)``,
-    ``max_rejected [R]`` the most rows request ``r`` may reject (its verified drafts;
-    ``None`` = nothing rejected), ``0 <= max_rejected[r] <= len[r]``. Raises ValueError
-    naming the field before anything is shipped or written.
-    """
-    arrays, plan = store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slots)
-    return StorePlan(**plan, **ship(arrays, device))
-
-
 def is_flat_step(lengths: np.ndarray) -> bool:
     """Every request has the same number of rows: the step is an ``[R, L]`` rectangle."""
     return lengths.size > 0 and lengths.min() == lengths.max()
 
 
-def store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slots):
-    """Checks + host arrays of a store plan (a step plan ships them with its own arrays)."""
-    for name, value in (("window", window), ("num_slots", num_slots)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    qsl, lengths = host_layout(query_start_loc_cpu)
-    num_requests = lengths.size
-    ring_rows = _host_ints("slots", slots, f"[R] with R={num_requests}")
-    if ring_rows.size != num_requests:
-        raise ValueError(f"slots must have shape [R] with R={num_requests}, got {ring_rows.shape}")
-    if num_requests and (ring_rows.min() < 0 or ring_rows.max() >= num_slots):
-        raise ValueError(f"slots must be in [0, S={num_slots})")
-    if np.unique(ring_rows).size != num_requests:
-        raise ValueError("slots must be distinct (one ring row per request)")
-    if max_rejected is None:
-        bound = np.zeros(num_requests, dtype=np.int64)
-    else:
-        bound = _host_ints("num_rejected", max_rejected, f"[R] with R={num_requests}")
-        if bound.size != num_requests:
-            raise ValueError(
-                f"num_rejected must have shape [R] with R={num_requests}, got {bound.shape}"
-            )
-        if num_requests and bound.min() < 0:
-            raise ValueError("num_rejected must be >= 0")
-        if num_requests and (bound > lengths).any():
-            raise ValueError("num_rejected[r] must be <= segment length qsl[r+1] - qsl[r]")
+def store_layout(
+    qsl: np.ndarray, lengths: np.ndarray, slots: np.ndarray, bound: np.ndarray,
+    window: int, num_slots: int,
+) -> tuple[dict[str, np.ndarray], dict[str, int | bool]]:
+    """Host index arrays and numbers of a store plan, from checked int64 host metadata.
 
+    ``qsl [R+1]`` and ``lengths [R]`` the step's layout, ``slots [R]`` distinct ring rows,
+    ``bound [R]`` the most rows each request may reject. The step plan ships the arrays
+    with its own in one copy and builds the :class:`StorePlan` from both.
+    """
+    num_requests = lengths.size
     uniform = is_flat_step(lengths)
     counts = np.minimum(lengths, window + bound)
     if uniform:
@@ -197,7 +124,7 @@ def store_plan_arrays(query_start_loc_cpu, slots, max_rejected, window, num_slot
         "num_candidates": num_candidates,
         "max_rejected_rows": int(bound.sum()),
     }
-    arrays = {"slots": ring_rows, "seg_end": qsl[1:], "cand_rows": cand_rows, "cand_req": cand_req}
+    arrays = {"slots": slots, "seg_end": qsl[1:], "cand_rows": cand_rows, "cand_req": cand_req}
     return arrays, plan
 
 
@@ -239,10 +166,10 @@ class AcceptedRows(NamedTuple):
 
 
 def last_accepted(
-    plan: StorePlan, positions: torch.Tensor, num_rejected: torch.Tensor | None = None
+    plan: StorePlan, positions: torch.Tensor, num_rejected: torch.Tensor
 ) -> AcceptedRows:
     """Where each request's accepted rows end: the store and the draft anchors both need it."""
-    end = plan.seg_end if num_rejected is None else plan.seg_end - num_rejected
+    end = plan.seg_end - num_rejected
     return AcceptedRows(end, positions.index_select(0, (end - 1).clamp_(min=0)))
 
 
@@ -252,8 +179,7 @@ def store_context_kv(
     kv: torch.Tensor,
     positions: torch.Tensor,
     plan: StorePlan,
-    num_rejected: torch.Tensor | None = None,
-    accepted: AcceptedRows | None = None,
+    accepted: AcceptedRows,
 ) -> None:
     """Write one step's accepted context rows into each request's KV ring, in place.
 
@@ -263,16 +189,13 @@ def store_context_kv(
     Rejected rows never reach a live row: their cell may still hold live context.
 
     ``cache [S+1, W, D]``, ``cache_pos [S+1, W]`` int64, ``kv [T, D]`` (cache dtype),
-    ``positions [T]`` int64 strictly increasing within a request, ``num_rejected [R]``
-    on the device, ``num_rejected[r] <= max_rejected[r]`` of the plan. Uniform steps take
-    the flat ``[R, L]`` path, ragged ones the plan's candidate list; both end in the same
-    scatter. No host read; the shapes depend on the plan only. ``accepted`` is
-    :func:`last_accepted` of the same step when the caller already has it.
+    ``positions [T]`` int64 strictly increasing within a request, ``accepted`` the
+    step's :func:`last_accepted` (its rejection counts, on the device, at most the plan's
+    bounds). Uniform steps take the flat ``[R, L]`` path, ragged ones the plan's candidate
+    list; both end in the same scatter. No host read; the shapes depend on the plan only.
     """
     if plan.num_candidates == 0:
         return
-    if accepted is None:
-        accepted = last_accepted(plan, positions, num_rejected)
     acc_end, last_pos = accepted
     candidates = _flat_candidates if plan.uniform else _ragged_candidates
     rows, ring, pos = candidates(plan, positions, acc_end, last_pos)

@@ -41,7 +41,7 @@ def draft_graphs_wanted(vllm_config, device: torch.device) -> bool:
     return not eager and mode is not None and mode != CUDAGraphMode.NONE
 
 
-def cuda_graph_wrapper(runnable: Callable, vllm_config):
+def full_cuda_graph(runnable: Callable, vllm_config):
     """vLLM's FULL-mode ``CUDAGraphWrapper`` around ``runnable``."""
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.config import CUDAGraphMode
@@ -62,7 +62,9 @@ class DraftBlockGraphs:
         vocab_size: int,
         sampled: bool,
         device: torch.device,
+        wrap: Callable[[Callable, object], Callable] = full_cuda_graph,
     ) -> None:
+        """``wrap(block, vllm_config)`` makes the capturing callable (vLLM's wrapper)."""
         self.vllm_config = vllm_config
         self.sizes = sorted(sizes)
         rows = self.sizes[-1]
@@ -77,7 +79,7 @@ class DraftBlockGraphs:
             self.noise = torch.ones(
                 rows, num_spec_tokens, vocab_size, dtype=torch.float32, device=device
             )
-        self.graph = cuda_graph_wrapper(block, vllm_config)
+        self.graph = wrap(block, vllm_config)
         self.captured: set[int] = set()
 
     def _inputs(self, size: int) -> tuple:

@@ -20,7 +20,7 @@ One call per engine step, after the target has verified the previous drafts:
    draft distributions are kept for the rejection sampler (``take_last_draft_probs``).
 
 The runner glue (``runner_glue.propose_from_runner``) turns the V1 runner's step state
-into the narrow ``propose`` arguments; the overlay's runner patch calls it.
+into one ``DSparkStepInput`` for ``propose``; the overlay's runner patch calls it.
 
 Why a runner patch and not ``method="custom_class"``: the V1 runner builds a custom proposer
 from the VllmConfig alone and calls ``propose(sampled_token_ids, num_tokens_no_spec,
@@ -32,7 +32,7 @@ feed it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wan
 from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark.rings import SlotTable, allocate_rings, clear_slots
 from vllm.v1.spec_decode.dspark.step_plan import (
+    DSparkStepInput,
     StepPlan,
     capture_sizes,
     draft_anchor_positions,
@@ -118,7 +119,6 @@ class DSparkProposer:
         self.dtype = vllm_config.model_config.dtype
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.slot_table = SlotTable(self.max_num_seqs)
-        self.live_request_ids: set[str] = set()  # ids holding a ring row
         # Host bookkeeping plus rejected rows summed per ring row on the device.
         self._counters = StepCounters(self.max_num_seqs + 1, self.device)
         seed = vllm_config.model_config.seed
@@ -146,6 +146,11 @@ class DSparkProposer:
         rows = self._confidence_rows
         with torch.inference_mode():
             return self.model.compute_confidence(head[:rows], embeds[:rows])
+
+    @property
+    def live_request_ids(self):
+        """Ids of the requests holding a ring row (a live view of the slot table)."""
+        return self.slot_table.held_ids
 
     @property
     def counters(self) -> DSparkCounters:
@@ -262,7 +267,6 @@ class DSparkProposer:
     def release(self, req_ids: Iterable[str]) -> None:
         """Free the ring rows of requests that finished, were aborted or preempted."""
         req_ids = list(req_ids)
-        self.live_request_ids.difference_update(req_ids)
         self.request_seeds.release(req_ids)
         freed = self.slot_table.release(req_ids)
         clear_slots(self.kv_pos, freed)
@@ -270,80 +274,46 @@ class DSparkProposer:
 
     # --------------------------------------------------------------- propose
 
-    def propose(
-        self,
-        *,
-        req_ids: Sequence[str],
-        query_start_loc_cpu: torch.Tensor,
-        positions: torch.Tensor,
-        aux_hidden_states: torch.Tensor,
-        num_rejected: torch.Tensor,
-        next_token_ids: torch.Tensor,
-        num_draft_tokens: Sequence[int] | np.ndarray | None = None,
-        prefilling: Sequence[bool] | np.ndarray | None = None,
-        temperature: torch.Tensor | None = None,
-        temperature_cpu: torch.Tensor | np.ndarray | None = None,
-        finished_req_ids: Iterable[str] = (),
-        request_seeds: Sequence[int | None] | None = None,
-    ) -> torch.Tensor:
+    def propose(self, step: DSparkStepInput) -> torch.Tensor:
         """Ingest this step's context, draft one block per request.
 
-        Host data (plan): ``req_ids [R]`` in batch-row order; ``query_start_loc_cpu
-        [R+1]`` packed rows of each request; ``num_draft_tokens [R]`` drafts the target
-        verified per request (bounds the rejections); ``prefilling [R]`` requests still
-        in chunked prefill (drafts discarded, nothing rejected); ``temperature_cpu [R]``
-        (counters); ``finished_req_ids`` released before rows are assigned;
-        ``request_seeds [R]`` each request's ``seed=`` (None: one drawn per request), which
-        keys the probabilistic draft noise per request and position, and keeps adaptive
-        verification from cutting a seeded sampled request's drafts.
-
-        Device data (never read back): ``positions [T]``, ``aux_hidden_states [T, m*H]``
-        (concatenated target aux hidden states), ``num_rejected [R]`` rejected verify rows
-        at the end of each segment, ``next_token_ids [R]`` anchor tokens,
-        ``temperature [R]`` for probabilistic drafting (None = all greedy).
-
-        Returns ``[R, num_speculative_tokens]`` int32 draft tokens.
+        ``step`` is built by the runner glue (``runner_glue.propose_from_runner``): its host
+        half is planned and checked once (``plan_step``), its device half is never read
+        back. Returns ``[R, num_speculative_tokens]`` int32 draft tokens.
         """
         if self.model is None or self.kv_cache is None or self.kv_pos is None:
             raise RuntimeError("DSparkProposer.load_model() was not called")
         from vllm.forward_context import set_forward_context
 
-        self.release(finished_req_ids)
-        req_ids = list(req_ids)
-        plan = self.plan(
-            req_ids,
-            query_start_loc_cpu,
-            num_draft_tokens,
-            prefilling,
-            temperature_cpu,
-            whole=self._uncut_requests(temperature_cpu, request_seeds),
-        )
-        self.live_request_ids.update(req_ids)
+        req_ids = list(step.req_ids)
+        plan = self.plan(req_ids, step)
         num_rows, num_reqs = plan.num_rows, plan.num_requests
-        positions, aux_hidden_states = _first_rows(num_rows, positions, aux_hidden_states)
+        positions, aux = _first_rows(num_rows, step.positions, step.aux_hidden_states)
+        num_rejected = step.num_rejected
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
             accepted = last_accepted(plan.store, positions, num_rejected)
-            self._ingest(plan, positions, aux_hidden_states, num_rejected, accepted)
-            anchor_pos = draft_anchor_positions(plan, positions, num_rejected, accepted)
-            if next_token_ids.dtype != torch.int64:
-                next_token_ids = next_token_ids.long()
+            self._ingest(plan, positions, aux, accepted)
+            anchor_pos = draft_anchor_positions(plan, accepted)
             anchors = torch.nn.functional.pad(
-                next_token_ids, (0, plan.draft_rows - num_reqs), value=self.noise_token_id
+                step.next_token_ids.long(), (0, plan.draft_rows - num_reqs),
+                value=self.noise_token_id,
             )
-            noise = None
-            if temperature is not None and self.probabilistic:
-                temperature = torch.nn.functional.pad(temperature, (0, plan.draft_rows - num_reqs))
-                seeds = self.request_seeds.lookup(req_ids, request_seeds or [None] * num_reqs)
+            temperature = noise = None
+            if step.temperature is not None and self.probabilistic:
+                temperature = torch.nn.functional.pad(
+                    step.temperature, (0, plan.draft_rows - num_reqs)
+                )
+                seeds = self.request_seeds.lookup(
+                    req_ids, step.request_seeds or [None] * num_reqs
+                )
                 noise = self.draw_race_noise(seeds, anchor_pos)
-            else:
-                temperature = None
-            drafts = self._draft(req_ids, plan, anchors, anchor_pos, temperature, noise)
+            drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
             if self._cost_table is not None:
                 drafts = self._cut(plan, drafts)
         self._count(plan, num_rejected)
         return drafts.to(torch.int32)
 
-    def _draft(self, req_ids, plan: StepPlan, anchors, anchor_pos, temperature, noise):
+    def _draft(self, plan: StepPlan, anchors, anchor_pos, temperature, noise):
         """``[R, k]`` drafts of the step's requests from the draft block, padded rows dropped.
 
         Keeps the block's draft probabilities (the rejection sampler's, when sampling) and
@@ -357,7 +327,7 @@ class DSparkProposer:
         self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
         return tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
 
-    def _uncut_requests(self, temperature_cpu, request_seeds) -> np.ndarray | None:
+    def _never_cut(self, temperature_cpu, request_seeds) -> np.ndarray | None:
         """Host ``[R]``: requests adaptive verification must not cut, the seeded sampled ones.
 
         A cut decides how many random draws a request's verification makes, and the cut is
@@ -377,15 +347,15 @@ class DSparkProposer:
         """
         num_reqs = plan.num_requests
         with torch.inference_mode():
-            whole = plan.whole[:num_reqs].bool() if plan.num_whole else None
+            whole = plan.never_cut[:num_reqs].bool() if plan.num_never_cut else None
             eligible = plan.drafting[:num_reqs].bool()
             if whole is not None:
                 eligible = eligible & ~whole
             keep = draft_budget_mask(
                 self.last_confidence,
                 eligible,
-                num_eligible=num_reqs - plan.num_discarded - plan.num_whole,
-                base_rows=num_reqs + plan.num_whole * self.num_speculative_tokens,
+                num_eligible=num_reqs - plan.num_discarded - plan.num_never_cut,
+                base_rows=num_reqs + plan.num_never_cut * self.num_speculative_tokens,
                 cost_table=self._cost_table,
                 whole=whole,
             )
@@ -394,20 +364,16 @@ class DSparkProposer:
             self._draft_budgets = draft_budgets(keep, eligible)
             return drafts
 
-    def plan(
-        self, req_ids, query_start_loc_cpu, num_draft_tokens, prefilling, temperature_cpu,
-        whole=None,
-    ):
+    def plan(self, req_ids: list[str], step: DSparkStepInput) -> StepPlan:
         """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""
         rank, group = self._tp_rank_group()
-        slots = self.slot_table.assign(req_ids)
         return plan_step(
-            query_start_loc_cpu,
-            slots,
-            num_draft_tokens=num_draft_tokens,
-            prefilling=prefilling,
-            temperature_cpu=temperature_cpu,
-            whole=whole,
+            step.query_start_loc_cpu,
+            self.slot_table.assign(req_ids),
+            num_draft_tokens=step.num_draft_tokens,
+            prefilling=step.prefilling,
+            temperature_cpu=step.temperature_cpu,
+            never_cut=self._never_cut(step.temperature_cpu, step.request_seeds),
             window=self.window,
             num_slots=self.max_num_seqs,
             num_spec_tokens=self.num_speculative_tokens,
@@ -418,38 +384,32 @@ class DSparkProposer:
             device=self.device,
         )
 
-    def _project(self, aux: torch.Tensor, positions: torch.Tensor, row_shape=(-1,)):
-        """``aux [T, m*H]`` -> context KV of all draft layers, ``[T, *row_shape]``.
-
-        The default row shape is the stacked ring's ``K * D``; packed prefill asks for
-        ``(1, -1)``, one stacked "layer".
-        """
+    def _project(self, aux: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``aux [T, m*H]`` -> context KV of all draft layers stacked, ``[T, K * D]``."""
         model = self.model
         main_x = model.combine_hidden_states(aux if aux.dtype == self.dtype else aux.to(self.dtype))
         kv = model.context_kv(main_x, positions)
-        return kv.reshape(kv.shape[0], *row_shape)
+        return kv.reshape(kv.shape[0], -1)
 
-    def _ingest(self, plan: StepPlan, positions, aux, num_rejected, accepted) -> None:
+    def _ingest(self, plan: StepPlan, positions, aux, accepted) -> None:
         """Store the step's accepted rows in the rings (packed prefill for big chunks)."""
         if plan.num_rows == 0:
             return
+        ring = (self.kv_cache, self.kv_pos)
         if plan.packed is not None:
             ingest_packed_prefill(
                 plan.packed,
                 plan.store,
                 aux,
                 positions,
-                lambda x, pos: self._project(x, pos, (1, -1)),
-                [(self.kv_cache, self.kv_pos)],
+                self._project,
+                ring,
                 max_model_len=max(self.max_model_len, self.max_position),
-                num_rejected=num_rejected,
                 accepted=accepted,
             )
         else:
             kv = self._project(aux, positions)
-            store_context_kv(
-                self.kv_cache, self.kv_pos, kv, positions, plan.store, num_rejected, accepted
-            )
+            store_context_kv(*ring, kv, positions, plan.store, accepted)
 
     def _tp_rank_group(self):
         if self.tp_size == 1:

@@ -61,19 +61,10 @@ class SlotTable:
         self._slot_of: dict[Hashable, int] = {}
         self._free: list[int] = list(range(num_slots))  # heap: lowest free row first
 
-    def __len__(self) -> int:
-        return len(self._slot_of)
-
-    def __contains__(self, req_id: Hashable) -> bool:
-        return req_id in self._slot_of
-
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def slot_of(self, req_id: Hashable) -> int | None:
-        """Ring row held by ``req_id``, or None."""
-        return self._slot_of.get(req_id)
+    def held_ids(self):
+        """The request ids holding a ring row (a live view)."""
+        return self._slot_of.keys()
 
     def assign(self, req_ids: Sequence[Hashable]) -> list[int]:
         """Ring row per batch row; known ids keep theirs, new ids get one.

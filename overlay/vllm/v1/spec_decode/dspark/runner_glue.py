@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.v1.outputs import AsyncModelRunnerOutput
+from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
 __all__ = ["before_step", "propose_from_runner", "with_draft_budgets"]
 
@@ -62,7 +63,7 @@ def propose_from_runner(
     spec_decode_metadata: Any,
     common_attn_metadata: Any,
 ) -> torch.Tensor:
-    """Read the step's state off the V1 runner and call ``runner.drafter.propose``.
+    """Read the step's state off the V1 runner into one ``DSparkStepInput`` and propose.
 
     ``sampled_token_ids [R, k+1]`` (-1 = rejected). Returns ``[R, k]`` int32 drafts.
     """
@@ -112,15 +113,15 @@ def propose_from_runner(
     # common_attn_metadata.query_start_loc_cpu views): read without a conversion.
     query_start_loc = runner.query_start_loc.np[: num_reqs + 1]
     aux = torch.cat([h[:num_rows] for h in aux_hidden_states], dim=-1)
-    return drafter.propose(
+    step = DSparkStepInput(
         req_ids=req_ids,
         query_start_loc_cpu=query_start_loc,
+        num_draft_tokens=num_drafts,
+        prefilling=discard_np,
         positions=runner._get_positions(num_rows),
         aux_hidden_states=aux,
         num_rejected=num_rejected,
         next_token_ids=anchors,
-        num_draft_tokens=num_drafts,
-        prefilling=discard_np,
         temperature=temperature,
         temperature_cpu=temperature_cpu,
         request_seeds=(
@@ -129,6 +130,7 @@ def propose_from_runner(
             else None
         ),
     )
+    return drafter.propose(step)
 
 
 class _OutputWithDraftBudgets(AsyncModelRunnerOutput):

@@ -19,14 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .context_store import AcceptedRows, StorePlan, last_accepted, ship, store_plan_arrays
-from .packed_prefill import (
-    MAX_PACKED_TOKENS,
-    PackedPrefill,
-    plan_packed_prefill,
-)
+from .context_store import AcceptedRows, StorePlan, ship, store_layout
+from .packed_prefill import MAX_PACKED_TOKENS, PackedPrefill, plan_packed_prefill
 
-__all__ = ["StepPlan", "capture_sizes", "draft_anchor_positions", "plan_step"]
+__all__ = ["DSparkStepInput", "StepPlan", "capture_sizes", "draft_anchor_positions", "plan_step"]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -39,6 +35,36 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass(frozen=True, eq=False)
+class DSparkStepInput:
+    """One engine step as the runner glue hands it to ``DSparkProposer.propose``.
+
+    Host facts (read by the plan): ``req_ids [R]`` in batch-row order;
+    ``query_start_loc_cpu [R+1]`` packed rows of each request; ``num_draft_tokens [R]``
+    drafts the target verified per request (bounds the rejections); ``prefilling [R]``
+    requests still in chunked prefill (drafts discarded, nothing rejected);
+    ``temperature_cpu [R]`` (None: all greedy); ``request_seeds [R]`` each request's
+    ``seed=`` (None entries: one drawn per request), which keys the probabilistic draft
+    noise and keeps adaptive verification from cutting a seeded sampled request.
+
+    Device data (never read back): ``positions [T]``, ``aux_hidden_states [T, m*H]``
+    (concatenated target aux hidden states), ``num_rejected [R]`` rejected verify rows at
+    the end of each segment, ``next_token_ids [R]`` anchor tokens, ``temperature [R]``.
+    """
+
+    req_ids: Sequence[str]
+    query_start_loc_cpu: np.ndarray
+    num_draft_tokens: np.ndarray
+    prefilling: np.ndarray
+    positions: torch.Tensor
+    aux_hidden_states: torch.Tensor
+    num_rejected: torch.Tensor
+    next_token_ids: torch.Tensor
+    temperature: torch.Tensor | None = None
+    temperature_cpu: np.ndarray | None = None
+    request_seeds: Sequence[int | None] | None = None
+
+
+@dataclass(frozen=True, eq=False)
 class StepPlan:
     """Everything the device half of one step needs; host numbers and device tensors."""
 
@@ -47,9 +73,9 @@ class StepPlan:
     draft_rows: int  # R padded to a capture size; pad rows draft from the scratch row
     draft_slots: torch.Tensor  # [draft_rows] ring row per draft row (pads: scratch row S)
     drafting: torch.Tensor  # [draft_rows] 1 where the drafts reach the scheduler, else 0
-    whole: torch.Tensor  # [draft_rows] 1 where adaptive verification must keep all k drafts
+    never_cut: torch.Tensor  # [draft_rows] 1 where adaptive verification keeps all k drafts
     num_discarded: int  # requests still in chunked prefill (their drafts are dropped)
-    num_whole: int  # drafting requests whose drafts are never cut (seeded sampled ones)
+    num_never_cut: int  # drafting requests whose drafts are never cut (seeded sampled ones)
     num_verified: int  # draft tokens the target verified this step
     num_sampled: int  # requests drafting at temperature > 0
 
@@ -63,14 +89,14 @@ class StepPlan:
 
 
 def plan_step(
-    query_start_loc_cpu: torch.Tensor | np.ndarray,
+    query_start_loc_cpu: np.ndarray,
     slots: Sequence[int],
     *,
-    num_draft_tokens: Sequence[int] | np.ndarray | None,
-    prefilling: Sequence[bool] | np.ndarray | None,
-    temperature_cpu: torch.Tensor | np.ndarray | None,
+    num_draft_tokens: np.ndarray,
+    prefilling: np.ndarray,
+    temperature_cpu: np.ndarray | None,
+    never_cut: np.ndarray | None,
     window: int,
-    whole: Sequence[bool] | np.ndarray | None = None,
     num_slots: int,
     num_spec_tokens: int,
     draft_sizes: Sequence[int],
@@ -81,51 +107,48 @@ def plan_step(
 ) -> StepPlan:
     """Check the step's host metadata and plan it; raises ValueError before any device work.
 
-    ``num_draft_tokens[r]`` drafts of request ``r`` were verified, so at most that many
-    of its rows can be rejected; a request in chunked prefill (``prefilling[r]``)
-    rejects none. Every request keeps at least one row (its anchor). ``whole[r]``: request
-    ``r``'s drafts are never cut by adaptive verification (a seeded sampled request).
+    The one place a step is validated: everything downstream (the store, packed prefill,
+    the draft block) trusts the plan. ``num_draft_tokens[r]`` drafts of request ``r`` were
+    verified, so at most that many of its rows can be rejected; a request in chunked
+    prefill (``prefilling[r]``) rejects none. Every request keeps at least one row (its
+    anchor). ``never_cut[r]``: adaptive verification keeps all of request ``r``'s drafts.
     """
-    # One host read: the step's layout (none when the runner hands its numpy view).
     num_requests = len(slots)
-    qsl = query_start_loc_cpu
-    if isinstance(qsl, torch.Tensor) and qsl.device.type == "cpu":
-        qsl = qsl.numpy()
-    if not isinstance(qsl, np.ndarray) or qsl.shape != (num_requests + 1,):
-        got = query_start_loc_cpu
-        got = (
-            f"shape {tuple(got.shape)} on {getattr(got, 'device', 'cpu')}"
-            if hasattr(got, "shape")
-            else type(got).__name__
-        )
-        raise ValueError(
-            f"query_start_loc_cpu must be a host tensor or numpy array [R+1] with "
-            f"R={num_requests}, got {got}"
-        )
+    qsl = _host_ints("query_start_loc_cpu", query_start_loc_cpu, num_requests + 1)
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc_cpu[0] must be 0, got {qsl[0]}")
+    lengths = np.diff(qsl)
+    ring_rows = _host_ints("slots", slots, num_requests)
+    if num_requests and (ring_rows.min() < 0 or ring_rows.max() >= num_slots):
+        raise ValueError(f"slots must be in [0, S={num_slots})")
+    if np.unique(ring_rows).size != num_requests:
+        raise ValueError("slots must be distinct (one ring row per request)")
     discard = _flags("prefilling", prefilling, num_requests)
-    drafts = _flags("num_draft_tokens", num_draft_tokens, num_requests, np.int64)
+    drafts = _host_ints("num_draft_tokens", num_draft_tokens, num_requests)
     if (drafts < 0).any() or (drafts > num_spec_tokens).any():
         raise ValueError(f"num_draft_tokens must be in [0, k={num_spec_tokens}]")
     bound = np.where(discard, 0, drafts)
-    if num_requests and (bound >= np.diff(qsl)).any():
+    if (bound >= lengths).any():
+        r = int((bound >= lengths).argmax())
         raise ValueError(
-            "num_draft_tokens[r] must be < segment length qsl[r+1] - qsl[r] "
-            "(each request keeps its anchor row)"
+            f"request {r} has {lengths[r]} rows (query_start_loc_cpu[{r + 1}] - "
+            f"query_start_loc_cpu[{r}]) but {bound[r]} verified drafts: every request "
+            "keeps its anchor row, so num_draft_tokens[r] must be < its row count"
         )
-    arrays, store = store_plan_arrays(qsl, slots, bound, window, num_slots)
+    arrays, store = store_layout(qsl, lengths, ring_rows, bound, window, num_slots)
     draft_rows = next((size for size in draft_sizes if size >= num_requests), None)
     if draft_rows is None:
         raise ValueError(f"R={num_requests} requests exceed the largest draft size {draft_sizes}")
-    pad = np.full(draft_rows - num_requests, num_slots, dtype=np.int64)
-    arrays["draft_slots"] = np.concatenate([arrays["slots"], pad])
-    arrays["drafting"] = np.concatenate([~discard, np.zeros(pad.size, dtype=bool)])
-    whole_rows = _flags("whole", whole, num_requests) & ~discard
-    arrays["whole"] = np.concatenate([whole_rows, np.zeros(pad.size, dtype=bool)])
+    pad = np.zeros(draft_rows - num_requests, dtype=bool)
+    arrays["draft_slots"] = np.concatenate([ring_rows, np.full(pad.size, num_slots)])
+    arrays["drafting"] = np.concatenate([~discard, pad])
+    keep_whole = _flags("never_cut", never_cut, num_requests) & ~discard
+    arrays["never_cut"] = np.concatenate([keep_whole, pad])
 
     packed = None
     if num_requests * (num_spec_tokens + 1) < store["num_rows"] <= MAX_PACKED_TOKENS:
         # A prefill chunk is in this step: packed multi-request prefill.
-        packed = plan_packed_prefill(qsl, tp_size, rank=rank, group=group)
+        packed = plan_packed_prefill(store["num_rows"], tp_size, rank, group)
     num_sampled = 0
     if temperature_cpu is not None:
         temperature = np.asarray(temperature_cpu)
@@ -136,46 +159,48 @@ def plan_step(
             )
         num_sampled = int((temperature > 0).sum())
     tensors = ship(arrays, device)
-    draft_slots = tensors.pop("draft_slots")
-    drafting = tensors.pop("drafting")
-    whole_dev = tensors.pop("whole")
     return StepPlan(
-        store=StorePlan(**store, **tensors),
+        store=StorePlan(**store, **{k: tensors[k] for k in ("slots", "seg_end", "cand_rows", "cand_req")}),
         packed=packed,
         draft_rows=draft_rows,
-        draft_slots=draft_slots,
-        drafting=drafting,
-        whole=whole_dev,
+        draft_slots=tensors["draft_slots"],
+        drafting=tensors["drafting"],
+        never_cut=tensors["never_cut"],
         num_discarded=int(discard.sum()),
-        num_whole=int(whole_rows.sum()),
+        num_never_cut=int(keep_whole.sum()),
         num_verified=int(drafts.sum()),
         num_sampled=num_sampled,
     )
 
 
-def _flags(name: str, values, num_requests: int, dtype=bool) -> np.ndarray:
-    """Per-request host values as numpy ``[R]`` (zeros when None)."""
+def _host_ints(name: str, values, size: int) -> np.ndarray:
+    """A host ``[size]`` int64 array (from numpy, a CPU tensor or a sequence of ints)."""
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(f"{name} must be a host (CPU) array [{size}], got {values.device}")
+        values = values.numpy()
+    array = np.asarray(values)
+    if array.shape != (size,):
+        raise ValueError(f"{name} must have shape [{size}], got {array.shape}")
+    if size and array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def _flags(name: str, values, num_requests: int) -> np.ndarray:
+    """Per-request host booleans as numpy ``[R]`` (all False when None)."""
     if values is None:
-        return np.zeros(num_requests, dtype=dtype)
-    array = np.asarray(values, dtype=dtype)
+        return np.zeros(num_requests, dtype=bool)
+    array = np.asarray(values, dtype=bool)
     if array.shape != (num_requests,):
         raise ValueError(f"{name} must have shape [R] with R={num_requests}, got {array.shape}")
     return array
 
 
-def draft_anchor_positions(
-    plan: StepPlan,
-    positions: torch.Tensor,
-    num_rejected: torch.Tensor,
-    accepted: AcceptedRows | None = None,
-) -> torch.Tensor:
+def draft_anchor_positions(plan: StepPlan, accepted: AcceptedRows) -> torch.Tensor:
     """``[draft_rows]`` position after each request's last accepted row; 0 for pad rows.
 
     The draft block of request ``r`` starts there; an anchor of 0 attends no context,
     so pad rows read nothing live. Device work on the plan's tensors, no host read.
-    ``accepted``: :func:`last_accepted` of this step, when the caller already has it.
     """
-    if accepted is None:
-        accepted = last_accepted(plan.store, positions, num_rejected)
-    last_pos = accepted.last_pos
-    return torch.nn.functional.pad(last_pos + 1, (0, plan.draft_rows - plan.num_requests))
+    return torch.nn.functional.pad(accepted.last_pos + 1, (0, plan.draft_rows - plan.num_requests))

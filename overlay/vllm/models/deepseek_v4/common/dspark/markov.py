@@ -38,25 +38,6 @@ class MarkovDraft:
     probs: torch.Tensor | None  # [R, N, V] float32 draft distribution q_k, if asked
 
 
-def _check(base_logits: torch.Tensor, anchor: torch.Tensor, temperature) -> None:
-    if not isinstance(base_logits, torch.Tensor) or base_logits.dim() != 3:
-        raise ValueError("base_logits must be a tensor of shape [R, N, V]")
-    num_requests = base_logits.shape[0]
-    if not isinstance(anchor, torch.Tensor) or tuple(anchor.shape) != (num_requests,):
-        raise ValueError(f"anchor must have shape [R] with R={num_requests}")
-    if anchor.dtype.is_floating_point:
-        raise ValueError(f"anchor must be an integer tensor, got {anchor.dtype}")
-    if temperature is not None and (
-        not isinstance(temperature, torch.Tensor) or tuple(temperature.shape) != (num_requests,)
-    ):
-        raise ValueError(f"temperature must be None or a tensor of shape [R] with R={num_requests}")
-    for name, t in (("anchor", anchor), ("temperature", temperature)):
-        if t is not None and t.device != base_logits.device:
-            raise ValueError(
-                f"{name} must be on base_logits' device {base_logits.device}, got {t.device}"
-            )
-
-
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` as ``dtype``; no op at all when it already is (a step counts its ops)."""
     return t if t.dtype == dtype else t.to(dtype)
@@ -69,7 +50,6 @@ def markov_block_sample(
     bias: Callable[[torch.Tensor], torch.Tensor],
     *,
     temperature: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
     race_noise: torch.Tensor | None = None,
     return_probs: bool = False,
 ) -> MarkovDraft:
@@ -82,15 +62,13 @@ def markov_block_sample(
         bias: ``e [R, r] -> [R, V]`` (the Markov ``W2`` projection).
         temperature: ``[R]`` per-request temperature; rows with ``T <= 0`` (or
             ``temperature=None`` for all rows) are greedy.
-        generator: RNG for the random rows. Sampling uses the exponential race
-            ``argmax(q / E)``, ``E ~ Exp(1)``, which draws exactly from ``q``.
-        race_noise: ``[R, N, V]`` float32 ``Exp(1)`` draws to use instead of drawing
-            from ``generator`` here: keeps the block free of RNG state, so a traced or
-            graph-captured block gets its noise as an input every step (the proposer keys
-            it per request seed and position, ``noise``).
+        race_noise: ``[R, N, V]`` float32 ``Exp(1)`` draws, required with ``temperature``.
+            Sampling uses the exponential race ``argmax(q / E)``, ``E ~ Exp(1)``, which
+            draws exactly from ``q``. The noise is an input, not drawn here, so the block
+            holds no RNG state and a graph-captured block gets fresh noise every step (the
+            proposer keys it per request seed and position, ``noise``).
         return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
     """
-    _check(base_logits, anchor, temperature)
     # fp32 once for the whole block, one view per slot; the loop keeps only the work slot k
     # depends on (``base[k] + bias`` adds in fp32: the bias is promoted exactly).
     base = base_logits.float().unbind(1)
@@ -115,11 +93,7 @@ def markov_block_sample(
                 q_k = torch.zeros_like(z_k).scatter_(1, x_k[:, None], 1.0)
         else:
             q_k = torch.softmax(z_k / safe_t[:, None], dim=-1)
-            if race_noise is None:
-                race = torch.empty_like(q_k).exponential_(generator=generator)
-            else:
-                race = race_noise[:, k]
-            sampled = (q_k / race).argmax(dim=-1)
+            sampled = (q_k / race_noise[:, k]).argmax(dim=-1)
             x_k = torch.where(random_rows, sampled, greedy_tok)
             if return_probs:
                 one_hot = torch.zeros_like(q_k).scatter_(1, x_k[:, None], 1.0)

@@ -53,7 +53,6 @@ from vllm.models.deepseek_v4.common.dspark.layers import (
     DraftRMSNorm,
     DraftRope,
     DSparkDraftLayer,
-    RopeTables,
     block_key_bias,
     fp8_nope_roundtrip,
     stacked_projection,
@@ -224,10 +223,6 @@ class DSparkDeepseekV4Draft(nn.Module):
         )
         kv = self.rope.at(positions).rotate(kv, out_dtype=torch.float32)
         return fp8_nope_roundtrip(kv, s.rope_dim, out_dtype=main_x.dtype)
-
-    def rope_at(self, positions: torch.Tensor) -> RopeTables:
-        """RoPE tables of every draft layer at ``positions`` (any shape)."""
-        return self.rope.at(positions)
 
     def forward(
         self,
