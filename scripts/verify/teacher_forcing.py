@@ -15,13 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Bound on the deficit of a correct token, in nats, measured with
-# scripts/dev/measure_bf16_noise.py on the tiny checkpoint (Sapphire Rapids, AMX): prefill
-# scorings batched / alone / 16-64-2048-token chunks / 1-2 threads agree exactly, but greedy
-# decoding of each prompt alone, scored by a batched prefill, reached 0.344 nats (decode and
-# prefill take different kernels and chunk boundaries). 1.0 leaves a 2.9x margin over that and
-# stays below the deficits of wrong tokens seen in the lossy-sampler test (1.9-3.7 nats).
-EPSILON_NATS: float = 1.0
+# Bound on the deficit of a correct token, in nats. The plain target's own greedy tokens,
+# scored the same way, show the noise a correct token carries: 0.000 nats on this project's
+# CPUs for the demo's batch (`make demo` measures and prints it every run; AVX2 and
+# AVX512-BF16 hosts), at most 0.03 for the engine tests' batches. scripts/dev/
+# measure_bf16_noise.py once saw 0.344 nats on an AMX host, but only for prompts decoded
+# alone and scored batched, which no check here does. 0.25 stays far below the deficit of a
+# wrong token (1.9-3.7 nats in the lossy-sampler test).
+EPSILON_NATS: float = 0.25
 
 
 @dataclass(frozen=True)

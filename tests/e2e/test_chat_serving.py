@@ -101,10 +101,10 @@ def _post(server, path: str, body: dict) -> dict:
 
 def _forced_call(client, tool_choice, stream: bool, temperature: float, **extra):
     """(calls as [(name, arguments)], finish_reason, content, reasoning) of one request."""
-    # Sampled requests are unseeded (a seed with a multi-chunk prompt kills vLLM's CPU engine,
-    # README "Known limitations") and make one call, so they end within TOOL_MAX_TOKENS.
+    # Sampled requests are seeded (reproducible across runs, multi-chunk prompt included) and
+    # make one call, so they end within TOOL_MAX_TOKENS.
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
-                max_tokens=TOOL_MAX_TOKENS, temperature=temperature,
+                max_tokens=TOOL_MAX_TOKENS, temperature=temperature, seed=20261203,
                 parallel_tool_calls=temperature == 0, **TOOL_PENALTY)
     body = {**NO_THINKING, **extra}
     if not stream:

@@ -1,6 +1,6 @@
 """scripts/recipe.py boundaries and device-specific flags, found by mutation testing.
 
-The ranges below are the contract written out (DESIGN section 6 caps a packed chunk at 8192
+The ranges below are the contract written out (packed prefill caps a chunk at 8192
 tokens; ports are TCP ports, the rendezvous port unprivileged; a DSpark block is at most 16),
 not read from the schema: each bound is accepted exactly at its edge and refused one step past.
 """
