@@ -151,6 +151,12 @@ smoke: ## chat completion + spec-decode counters (+ socket audit): the Spark pai
 	  scripts/preflight.sh audit --env-file $(SPARK_ENV); \
 	else $(PY) -m scripts.smoke --profile $(PROFILE); fi
 
+.PHONY: monitoring
+monitoring: ## head only, optional: Prometheus (scrapes /metrics with the key) and Grafana with the DSpark dashboard, on loopback
+	eval "$$($(PYTHON) -m scripts.monitoring images)" && \
+	  export PROMETHEUS_IMAGE GRAFANA_IMAGE && $(COMPOSE) --profile monitoring up -d prometheus grafana
+	@echo ">> Grafana on http://127.0.0.1:3000 of this node (admin/admin at first login; ssh -L 3000:127.0.0.1:3000 from a laptop)"
+
 audit: ## after start: fail if an inter-node port of this node's vLLM listens beyond the fabric link
 	scripts/preflight.sh audit --env-file $(SPARK_ENV)
 
