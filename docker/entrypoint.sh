@@ -6,9 +6,10 @@
 #                          ALLOW_UNAUTHENTICATED_API=1), unset empty NCCL/vLLM variables, resolve the RoCE v2
 #                          GID index from sysfs, render `vllm serve` from the recipe profile
 #                          (scripts/recipe.py), on a worker wait for the head's master port,
-#                          log the command and exec it (on a node of a pair: run it as a
-#                          child, exit 1 when it dies by itself or, on the worker, once the
-#                          head is gone). EXTRA_ARGS go after the rendered ones.
+#                          log the command and exec it (on a node of a multi-node engine:
+#                          run it as a child, exit 1 when it dies by itself or, on a worker
+#                          (any NODE_RANK > 0), once the head is gone). EXTRA_ARGS go after
+#                          the rendered ones.
 #   print-command          the same checks and rendering, print the command, run nothing.
 #   check-overlay          exit 0 if the installed vLLM carries the overlay marker.
 #   health                 Docker healthcheck: the head's /health answers 200 (the worker
@@ -298,16 +299,18 @@ prepare() {
     done
 }
 
-# Both nodes of a pair run vLLM as a child in its own process group, for two reasons.
-# The worker: vLLM's headless worker never notices that the head went away (it waits for the
+# Every node of a multi-node engine (two or four) runs vLLM as a child in its own process
+# group, for two reasons. A worker (every NODE_RANK > 0, each watching only the head): vLLM's
+# headless worker never notices that the head went away (it waits for the
 # head's next message forever), and a restarted head cannot form the engine again with it. So
 # this shell watches the head's torch.distributed store (open as long as the head's engine
 # lives): once it is closed HEAD_WATCH_MISSES probes in a row, HEAD_WATCH_INTERVAL_S apart,
 # vLLM is stopped (SIGTERM, SIGKILL after HEAD_WATCH_GRACE_S) and the worker exits 1.
-# The head: when the worker dies its engine fails at the next collective, but vLLM's API
+# The head: when any worker dies its engine fails at the next collective, but vLLM's API
 # server then shuts down with status 0, which reads as a clean stop. Here vLLM exiting by
 # itself is an error (exit 1); only a stop this shell was asked for (SIGTERM/SIGINT, passed to
-# vLLM's group) exits 143/130. Either way the restart policy starts the node again.
+# vLLM's group) exits 143/130. Either way the restart policy starts the node again. So one dead
+# worker of four takes the head down, and the head's closed port the other workers.
 serve_pair_node() {
     local watch_host=$1 port=$2 interval=${HEAD_WATCH_INTERVAL_S:-3}
     local misses=${HEAD_WATCH_MISSES:-2} missed=0 rc=0

@@ -43,7 +43,7 @@ usage() {
     cat <<'EOF'
 Usage:
   scripts/preflight.sh [--env-file docker/.env] [--only CHECKS] [--skip CHECKS]
-      Every check for this node's role (NODE_RANK in the env file: 0 head, 1 worker).
+      Every check for this node's role (NODE_RANK in the env file: 0 head, 1..N-1 workers).
       CHECKS is a comma list of: env compose gpu image overlay cache rdma mtu head ports stale
       Prints PASS/WARN/FAIL per check; every FAIL says what to fix. Exit 1 on any FAIL.
   scripts/preflight.sh check-env [--env-file FILE]
@@ -503,28 +503,9 @@ check_mtu() {
     done
 }
 
-check_head() {
-    if [[ ${NODE_RANK:-0} == 0 ]]; then
-        pass head "this node is the head (NODE_RANK=0)"
-        return
-    fi
-    if ! command -v ping >/dev/null 2>&1; then
-        warn head "ping not found: cannot check that the head at $MASTER_ADDR is reachable"
-        return
-    fi
-    if ! ping -c 1 -W 2 "$MASTER_ADDR" >/dev/null 2>&1; then
-        fail head "the head at MASTER_ADDR=$MASTER_ADDR does not answer ping from this worker" \
-            "check the cable and both nodes' netplan addresses; MASTER_ADDR must be the head's fabric IP (same subnet as VLLM_HOST_IP=$VLLM_HOST_IP)"
-        return
-    fi
-    local size=$((MIN_MTU - 28))
-    if ! ping -M "do" -s "$size" -c 1 -W 2 "$MASTER_ADDR" >/dev/null 2>&1; then
-        fail head "the head answers, but a $MIN_MTU-byte unfragmented packet does not get through (path MTU below $MIN_MTU)" \
-            "set MTU $MIN_MTU on the fabric interfaces of BOTH nodes (netplan) and on any switch in between"
-        return
-    fi
-    pass head "head $MASTER_ADDR reachable with $MIN_MTU-byte frames"
-}
+# check_head: a worker's link to the head (route, reachability, MTU), in its own file.
+# shellcheck source=scripts/node/head_link.sh disable=SC1091  # checked on its own (make lint)
+source "$HERE/node/head_link.sh"
 
 # port_listening PORT: a TCP listener on PORT in /proc/net/tcp{,6}.
 port_listening() {
@@ -585,7 +566,10 @@ run_check_env() {
             *) echo "check-env: unknown argument $1" >&2; return 2 ;;
         esac
     done
-    load_env_file "$env_file" && check_vars host
+    load_env_file "$env_file" || return 1
+    PROFILE=${PROFILE:-spark-2x}
+    load_profile  # the profile's node count bounds NODE_RANK
+    check_vars host
 }
 
 run_resolve_gid() {

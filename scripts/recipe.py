@@ -5,7 +5,7 @@
 `make serve`, the demo) renders its arguments from a profile through this module, so a knob
 is written once and checked once. Usage:
 
-    python -m scripts.recipe validate PROFILE
+    python -m scripts.recipe validate PROFILE...
     python -m scripts.recipe render PROFILE --as argv|env|compose-env [--node-rank N --master-addr A]
     python -m scripts.recipe pins --as make|env
     python -m scripts.recipe env-file FILE           node .env -> `export` lines (never sourced)
@@ -641,8 +641,8 @@ def _api_host(value: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_val = sub.add_parser("validate", help="check a profile (all profiles with --all)")
-    p_val.add_argument("profile", nargs="?")
+    p_val = sub.add_parser("validate", help="check profiles (all profiles with --all)")
+    p_val.add_argument("profile", nargs="*")
     p_val.add_argument("--all", action="store_true")
     p_ren = sub.add_parser("render", help="render a profile for a launcher")
     p_ren.add_argument("profile")
@@ -672,8 +672,8 @@ def main(argv: list[str] | None = None) -> int:
         return _node_command(args)
     try:
         if args.cmd == "validate":
-            names = list_profiles() if args.all else [args.profile]
-            if names == [None]:
+            names = list_profiles() if args.all else args.profile
+            if not names:
                 parser.error("validate needs a PROFILE or --all")
             for name in names:
                 load_profile(name)

@@ -30,7 +30,7 @@ def parse_env_file(path: Path, report: Report) -> dict[str, str] | None:
     if not path.is_file():
         report.fail("env", f"{path} not found",
                     "cp docker/.env.example docker/.env on each node and fill it in "
-                    "(NODE_RANK=0 on the head, 1 on the worker)")
+                    "(NODE_RANK=0 on the head, 1..N-1 on the workers)")
         return None
     raw = path.read_bytes()
     if b"\r" in raw:
@@ -121,7 +121,8 @@ _BOTH, _HOST = ("host", "container"), ("host",)
 
 # NODE_RANK is checked against the profile's number of nodes in `check`.
 VARIABLES = (
-    Var("NODE_RANK", _BOTH, "set NODE_RANK=0 on the head node and NODE_RANK=1 on the worker"),
+    Var("NODE_RANK", _BOTH, "set NODE_RANK=0 on the head node and 1..N-1 on the N-1 workers "
+        "(one rank per node)"),
     Var("MASTER_ADDR", _BOTH, f"set MASTER_ADDR to {_FABRIC_HEAD}, the same on both nodes",
         _ipv4("MASTER_ADDR", _FABRIC_HEAD)),
     Var("VLLM_HOST_IP", _BOTH, f"set VLLM_HOST_IP to {_FABRIC_SELF}",
@@ -177,6 +178,14 @@ def _roles(env: Mapping[str, str], report: Report) -> None:
                     "set MASTER_ADDR to the head's fabric IP and VLLM_HOST_IP to this node's")
 
 
+def _rank_fix(nnodes: int) -> str:
+    if nnodes == 1:
+        return "set NODE_RANK=0: this profile runs on one node"
+    workers = "NODE_RANK=1 on the worker" if nnodes == 2 else \
+        f"NODE_RANK=1..{nnodes - 1} on the workers, a different one on each"
+    return f"set NODE_RANK=0 on the head and {workers}"
+
+
 def check(env: Mapping[str, str], mode: str, nnodes: int, report: Report) -> bool:
     """Validate the variables for `mode` (host or container); True when all are usable."""
     before = report.fails
@@ -186,7 +195,7 @@ def check(env: Mapping[str, str], mode: str, nnodes: int, report: Report) -> boo
     rank = env.get("NODE_RANK", "")
     if rank and not (rank.isascii() and rank.isdigit() and int(rank) < nnodes):
         report.fail("env", f"NODE_RANK='{rank}' is not a node rank of this {nnodes}-node profile",
-                    "set NODE_RANK=0 on the head and NODE_RANK=1 on the worker")
+                    _rank_fix(nnodes))
     bypass = env.get(LOOPBACK_BYPASS) == "1"
     if bypass:
         report.warn("env", f"{LOOPBACK_BYPASS}=1: loopback addresses accepted for MASTER_ADDR and "

@@ -53,7 +53,7 @@ HEAD_IP = "192.168.100.10"
 
 # Variables compose refuses to run without, and the message it prints for each.
 REQUIRED = {
-    "NODE_RANK": "0 on the head node, 1 on the worker",
+    "NODE_RANK": "0 on the head node, 1..N-1 on the workers",
     "MASTER_ADDR": "the head node's fabric (RoCE) IPv4 address",
     "VLLM_HOST_IP": "this node's fabric (RoCE) IPv4 address",
     "NCCL_SOCKET_IFNAME": "this node's fabric interface",

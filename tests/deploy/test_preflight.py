@@ -227,7 +227,7 @@ def test_worker_passes_and_checks_the_head_with_jumbo_frames(host):
 
     for ping, messages in (
         ("nojumbo", ["a 9000-byte unfragmented packet does not get through",
-                     "MTU 9000 on the fabric interfaces of BOTH nodes"]),
+                     "MTU 9000 on the fabric interfaces of this node and the head"]),
         ("down", ["the head at MASTER_ADDR=192.168.100.10 does not answer ping from this worker"]),
     ):
         rc, out = run_preflight(host, node_env(1, cache), "--only", "head", FAKE_PING=ping)

@@ -45,11 +45,14 @@ def vllm_serve():
 RENDERINGS = [
     ("spark-2x", ["--node-rank", "0", "--master-addr", "10.0.0.1"]),
     ("spark-2x", ["--node-rank", "1", "--master-addr", "10.0.0.1"]),
+    ("spark-4x", ["--node-rank", "3", "--master-addr", "10.0.0.1"]),
+    ("cpu-4x", ["--node-rank", "0", "--master-addr", "10.0.0.1"]),
     ("cpu-tiny", []),
 ]
 
 
-@pytest.mark.parametrize("name,node", RENDERINGS, ids=["spark-head", "spark-worker", "cpu-tiny"])
+@pytest.mark.parametrize("name,node", RENDERINGS,
+                         ids=["spark-head", "spark-worker", "spark4-rank3", "cpu4-head", "cpu-tiny"])
 def test_every_rendered_flag_is_one_vllm_serve_takes(name, node, vllm_serve):
     """Oracle: vLLM's real parser. Each flag must be one of its exact option strings (argparse
     would also accept an abbreviation), and the whole argv must parse and validate."""
@@ -59,6 +62,11 @@ def test_every_rendered_flag_is_one_vllm_serve_takes(name, node, vllm_serve):
     assert flags and not [f for f in flags if f not in serve._option_string_actions]
     args = parse(argv)
     assert args.max_num_seqs == recipe.load_profile(name)["serving"]["max_num_seqs"]
+    if node:  # vLLM reads the node's place in the engine as rendered
+        profile = recipe.load_profile(name)
+        assert (args.nnodes, args.node_rank) == (profile["parallel"]["nnodes"], int(node[1]))
+        assert args.tensor_parallel_size == profile["parallel"]["tensor_parallel_size"]
+        assert args.headless == (int(node[1]) > 0)
 
 
 def test_spark_argv_serves_deepseek_v4_chat_features(vllm_serve):
