@@ -75,13 +75,14 @@ def _flag_dest(word: str) -> str | None:
 
 def check(
     extra_args: Any,
-    rendered_argv: list[str],
+    rendered: list[list[str]],
     problems: list[str],
     parser_factory: Callable[[], argparse.ArgumentParser | None] | None = None,
 ) -> bool:
     """Append one problem per bad entry; return whether vLLM's parser did the checking.
 
-    `rendered_argv` is what the profile itself renders: every destination it sets is owned.
+    `rendered` holds the argvs the profile itself renders (head, worker): every destination
+    they set is owned.
     """
     key = "serving.extra_args"
     if not isinstance(extra_args, list) or not all(isinstance(a, str) for a in extra_args):
@@ -98,14 +99,14 @@ def check(
         return False
     parser = (parser_factory or vllm_serve_parser)()
     if parser is None:
-        owned = ALWAYS_OWNED | {d for w in rendered_argv if (d := _flag_dest(w))}
+        owned = ALWAYS_OWNED | {d for argv in rendered for w in argv if (d := _flag_dest(w))}
         for word in extra_args:
             if (dest := _flag_dest(word)) in owned:
                 problems.append(f"{key}: {word!r} sets {dest}, which the recipe owns; "
                                 "change the profile key (or .env) instead")
         return False
     try:
-        owned = ALWAYS_OWNED | dests_set_by(parser, rendered_argv)
+        owned = ALWAYS_OWNED.union(*(dests_set_by(parser, argv) for argv in rendered))
     except ExtraArgsError as exc:  # the recipe's own argv: a recipe bug, say so
         problems.append(f"{key}: vLLM refuses the profile's own arguments: {exc}")
         return True
@@ -130,7 +131,7 @@ def check_profile(profile: dict, problems: list[str], serve_argv: Callable[..., 
     global _warned_without_vllm
     extra = profile["serving"].get("extra_args", [])
     own = {**profile, "serving": {**profile["serving"], "extra_args": []}}
-    rendered = serve_argv(own, 1, "127.0.0.1") + serve_argv(own, 0, "127.0.0.1")
+    rendered = [serve_argv(own, 0, "127.0.0.1"), serve_argv(own, 1, "127.0.0.1")]
     checked_by_vllm = check(extra, rendered, problems)
     if extra and not checked_by_vllm and not problems and not _warned_without_vllm:
         _warned_without_vllm = True
