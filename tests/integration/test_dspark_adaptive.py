@@ -9,6 +9,7 @@ scatter) must admit exactly the same drafts per request.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -23,6 +24,7 @@ from vllm.v1.spec_decode.dspark.adaptive import (
     draft_budget_mask,
     trim_cut,
 )
+from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
 
 def reference_counts(confidence, eligible, row_cost, whole=None):
@@ -235,16 +237,16 @@ def _step_inputs(proposer, seed):
     lengths = [k + 1, 9, k + 1]
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     rows = int(qsl[-1])
-    return dict(
+    return DSparkStepInput(
         req_ids=["a", "p", "b"],
-        query_start_loc_cpu=torch.from_numpy(qsl),
+        query_start_loc_cpu=qsl,
+        num_draft_tokens=np.array([k, 0, k]),
+        prefilling=np.array([False, True, False]),
         positions=torch.cat([torch.arange(n) + 20 for n in lengths]),
         aux_hidden_states=torch.randn(rows, shape.hidden_size * len(shape.target_layer_ids),
                                       generator=gen).to(torch.bfloat16),
         num_rejected=torch.tensor([1, 0, 0]),
         next_token_ids=torch.randint(0, shape.vocab_size, (3,), generator=gen),
-        num_draft_tokens=[k, 0, k],
-        prefilling=[False, True, False],
     )
 
 
@@ -258,8 +260,8 @@ def test_proposer_cuts_the_fixed_k_drafts_as_the_rule_says(env, monkeypatch, row
     monkeypatch.setenv(ROW_COST_ENV, row_cost)
     fixed = make_proposer(draft, vc, max_num_seqs=4)
     adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
-    want_drafts = fixed.propose(**_step_inputs(fixed, 3))
-    got = adaptive.propose(**_step_inputs(adaptive, 3))
+    want_drafts = fixed.propose(_step_inputs(fixed, 3))
+    got = adaptive.propose(_step_inputs(adaptive, 3))
     confidence = adaptive.last_confidence.float()
     # Same weights, same inputs, same batch shape in one process: the same kernels run, so the
     # confidences are equal bit for bit (adaptive adds work after the block, not inside it).
@@ -282,12 +284,13 @@ def test_seeded_sampled_requests_keep_every_draft(env, monkeypatch, async_schedu
     monkeypatch.setattr(vc.scheduler_config, "async_scheduling", async_scheduling)
     adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
     k = adaptive.num_speculative_tokens
-    inputs = _step_inputs(adaptive, 3) | {
-        "temperature": torch.tensor([0.8, 0.0, 0.0]),
-        "temperature_cpu": np.array([0.8, 0.0, 0.0], dtype=np.float32),
-        "request_seeds": [7, None, None],
-    }
-    got = adaptive.propose(**inputs)
+    inputs = dataclasses.replace(
+        _step_inputs(adaptive, 3),
+        temperature=torch.tensor([0.8, 0.0, 0.0]),
+        temperature_cpu=np.array([0.8, 0.0, 0.0], dtype=np.float32),
+        request_seeds=[7, None, None],
+    )
+    got = adaptive.propose(inputs)
     confidence = adaptive.last_confidence.float().tolist()
     counts = reference_counts(confidence, [True, False, True], 0.2, whole=[True, False, False])
     assert counts[0] == k
@@ -298,7 +301,7 @@ def test_seeded_sampled_requests_keep_every_draft(env, monkeypatch, async_schedu
         assert [(row.tolist() + [CUT]).index(CUT) for row in got] == [k, 0, counts[2]]
     # Unseeded, the same sampled request competes like any other.
     adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
-    got = adaptive.propose(**(inputs | {"request_seeds": [None, None, None]}))
+    got = adaptive.propose(dataclasses.replace(inputs, request_seeds=[None, None, None]))
     counts = reference_counts(adaptive.last_confidence.float().tolist(), [True, False, True], 0.2)
     if async_scheduling:
         assert adaptive.take_draft_budgets().tolist() == [counts[0], NO_BUDGET, counts[2]]
@@ -317,8 +320,8 @@ def test_async_scheduling_gets_budgets_instead_of_cut_drafts(env, monkeypatch, r
     fixed = make_proposer(draft, vc, max_num_seqs=4)
     monkeypatch.setattr(vc.scheduler_config, "async_scheduling", True)
     adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
-    want_drafts = fixed.propose(**_step_inputs(fixed, 3))
-    got = adaptive.propose(**_step_inputs(adaptive, 3))
+    want_drafts = fixed.propose(_step_inputs(fixed, 3))
+    got = adaptive.propose(_step_inputs(adaptive, 3))
     assert torch.equal(got, want_drafts)
     assert fixed.take_draft_budgets() is None
     budgets = adaptive.take_draft_budgets()

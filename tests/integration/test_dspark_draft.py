@@ -215,7 +215,7 @@ def test_block_attention_matches_loop_reference(draft_env):
     ctx_mask[0, :10] = True  # request 0 has only 10 context positions
     key_bias = block_key_bias(ctx_mask, s.block_size)
     with torch.inference_mode():
-        got = attn(x, draft.rope_at(positions.view(num_requests, n)), ctx, key_bias)
+        got = attn(x, draft.rope.at(positions.view(num_requests, n)), ctx, key_bias)
         want = _reference_attention(
             attn, draft.rotary_emb, x, positions, ctx, ctx_mask, num_requests
         )
@@ -269,7 +269,7 @@ def test_rope_tables_equal_upstream_rope_bitwise(draft_env):
     gen = torch.Generator().manual_seed(11)
     positions = torch.tensor([0, 1, 7, 130, 255, draft.rope.num_positions - 1])
     x = (torch.randn(len(positions), 3, s.head_dim, generator=gen) * 4).to(torch.bfloat16)
-    tables = draft.rope_at(positions)
+    tables = draft.rope.at(positions)
     for inverse in (False, True):
         want, _ = draft.rotary_emb.forward_native(positions, x, None, inverse=inverse)
         got = tables.rotate(x, inverse=inverse)
@@ -277,7 +277,7 @@ def test_rope_tables_equal_upstream_rope_bitwise(draft_env):
         assert torch.equal(got, want), inverse
     assert torch.equal(tables.rotate(x)[..., : s.head_dim - s.rope_dim], x[..., :-s.rope_dim])
     # The check can fail: another position's tables rotate differently.
-    assert not torch.equal(draft.rope_at(positions.flip(0)).rotate(x), tables.rotate(x))
+    assert not torch.equal(draft.rope.at(positions.flip(0)).rotate(x), tables.rotate(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -9,10 +9,11 @@ confidences must be equal (same shapes, same ops: bitwise on the same machine).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-import vllm.v1.spec_decode.dspark.graphs as graphs_module
 from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
+from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
 from tests.support.fake_cuda_graph import FakeCUDAGraph
 from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
@@ -21,6 +22,20 @@ from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 @pytest.fixture(scope="module")
 def env():
     return build_draft(ensure_tiny_model())
+
+
+def use_graphs(p, wrap=FakeCUDAGraph):
+    """The proposer's draft-block graphs, with ``wrap`` standing in for vLLM's wrapper."""
+    p.graphs = DraftBlockGraphs(
+        p.draft_block,
+        p.vllm_config,
+        p.draft_sizes,
+        num_spec_tokens=p.num_speculative_tokens,
+        vocab_size=p.model.shape.vocab_size,
+        sampled=p.probabilistic,
+        device=p.device,
+        wrap=wrap,
+    )
 
 
 def _steps(width, vocab, gen):
@@ -37,28 +52,28 @@ def _steps(width, vocab, gen):
             qsl.append(qsl[-1] + rows)
             pos.extend(range(first, first + rows))
         num = len(req_ids)
-        yield dict(
+        yield DSparkStepInput(
             req_ids=req_ids,
-            query_start_loc_cpu=torch.tensor(qsl),
+            query_start_loc_cpu=np.array(qsl),
+            num_draft_tokens=np.array([s[2] for s in segments]),
+            prefilling=np.zeros(num, bool),
             positions=torch.tensor(pos),
             aux_hidden_states=torch.randn(qsl[-1], width, generator=gen).to(torch.bfloat16),
             num_rejected=torch.tensor([s[2] for s in segments]),
             next_token_ids=torch.randint(0, vocab, (num,), generator=gen),
-            num_draft_tokens=[s[2] for s in segments],
             temperature=torch.full((num,), 0.8) if sampled else None,
-            temperature_cpu=torch.full((num,), 0.8) if sampled else None,
+            temperature_cpu=np.full(num, 0.8) if sampled else None,
             request_seeds=[7 + i for i in range(num)] if sampled else None,
         )
 
 
 @pytest.mark.parametrize("probabilistic", [False, True])
-def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic, monkeypatch):
+def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic):
     draft, vc = env
     eager = make_proposer(draft, vc, probabilistic=probabilistic)
     graphed = make_proposer(draft, vc, probabilistic=probabilistic)
     assert eager.graphs is None  # CPU: never graphed unless asked
-    monkeypatch.setattr(graphs_module, "cuda_graph_wrapper", FakeCUDAGraph)
-    graphed.use_draft_graphs()
+    use_graphs(graphed)
     graphed.dummy_run(1, is_graph_capturing=True)
     fake = graphed.graphs.graph
     assert graphed.graphs.captured == set(graphed.draft_sizes) == {1, 2, 4, 8}
@@ -68,9 +83,9 @@ def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic, monke
     width = shape.hidden_size * len(shape.target_layer_ids)
     gen = torch.Generator().manual_seed(3)
     for step in _steps(width, shape.vocab_size, gen):
-        want = eager.propose(**step)
+        want = eager.propose(step)
         want_probs, want_conf = eager.take_last_draft_probs(), eager.last_confidence
-        got = graphed.propose(**step)
+        got = graphed.propose(step)
         assert torch.equal(got, want)
         got_probs = graphed.take_last_draft_probs()
         assert (got_probs is None) == (want_probs is None) == (not probabilistic)
@@ -81,12 +96,11 @@ def test_graphed_draft_block_drafts_like_the_eager_one(env, probabilistic, monke
     assert fake.replays == 4
 
 
-def test_replay_needs_the_captured_buffers(env, monkeypatch):
+def test_replay_needs_the_captured_buffers(env):
     """The stand-in refuses inputs that are not the captured buffers: the check can fail."""
     draft, vc = env
     p = make_proposer(draft, vc)
-    monkeypatch.setattr(graphs_module, "cuda_graph_wrapper", FakeCUDAGraph)
-    p.use_draft_graphs()
+    use_graphs(p)
     p.dummy_run(1, is_graph_capturing=True)
     graphs = p.graphs
 
@@ -99,7 +113,7 @@ def test_replay_needs_the_captured_buffers(env, monkeypatch):
     width = shape.hidden_size * len(shape.target_layer_ids)
     step = next(_steps(width, shape.vocab_size, torch.Generator().manual_seed(1)))
     with pytest.raises(RuntimeError, match="not the captured buffers"):
-        p.propose(**step)
+        p.propose(step)
 
 
 def test_graphs_only_on_cuda_with_graphs_on(env, monkeypatch):
@@ -134,12 +148,11 @@ def test_failed_capture_leaves_the_block_eager(env, monkeypatch):
             return super().__call__(*args)
 
     p = make_proposer(draft, vc)
-    monkeypatch.setattr(graphs_module, "cuda_graph_wrapper", FailingGraph)
-    p.use_draft_graphs()
+    use_graphs(p, FailingGraph)
     p.dummy_run(1, is_graph_capturing=True)
     assert p.graphs is None
     assert len(warnings) == 1 and "capture failed (RuntimeError" in warnings[0]
     shape = draft.shape
     step = next(_steps(shape.hidden_size * len(shape.target_layer_ids), shape.vocab_size,
                        torch.Generator().manual_seed(2)))
-    assert p.propose(**step).shape == (3, p.num_speculative_tokens)
+    assert p.propose(step).shape == (3, p.num_speculative_tokens)

@@ -18,7 +18,12 @@ import torch
 import vllm.v1.spec_decode.dspark.context_store as dr
 import vllm.v1.spec_decode.dspark.rings as rings
 from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
-from vllm.v1.spec_decode.dspark.step_plan import capture_sizes, draft_anchor_positions, plan_step
+from vllm.v1.spec_decode.dspark.step_plan import (
+    DSparkStepInput,
+    capture_sizes,
+    draft_anchor_positions,
+    plan_step,
+)
 
 from tests.support.host_reads import HostReadGuard
 
@@ -32,13 +37,13 @@ def meta_rings():
 
 def device_step(cache, cache_pos, table, req_ids, lengths, drafts, prefilling=None):
     """Plan on the host, then the device half on meta tensors: store, anchors, window."""
-    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     plan = plan_step(
-        qsl,
+        np.concatenate([[0], np.cumsum(lengths)]),
         table.assign(req_ids),
-        num_draft_tokens=drafts,
-        prefilling=prefilling,
+        num_draft_tokens=np.asarray(drafts),
+        prefilling=np.zeros(len(req_ids), bool) if prefilling is None else np.asarray(prefilling),
         temperature_cpu=None,
+        never_cut=None,
         window=WINDOW,
         num_slots=NUM_SLOTS,
         num_spec_tokens=K,
@@ -48,26 +53,21 @@ def device_step(cache, cache_pos, table, req_ids, lengths, drafts, prefilling=No
     rows = plan.num_rows
     positions = torch.empty(rows, dtype=torch.int64, device=DEVICE)
     rejected = torch.empty(len(req_ids), dtype=torch.int64, device=DEVICE)
-    kv = torch.empty(rows, DIM, dtype=torch.bfloat16, device=DEVICE)
+    accepted = dr.last_accepted(plan.store, positions, rejected)
     if plan.packed is not None:
 
         def project(x, pos):
-            return torch.empty(x.shape[0], 1, DIM, dtype=torch.bfloat16, device=DEVICE)
+            return torch.empty(x.shape[0], DIM, dtype=torch.bfloat16, device=DEVICE)
 
         features = torch.empty(rows, 2 * DIM, device=DEVICE)
         ingest_packed_prefill(
-            plan.packed,
-            plan.store,
-            features,
-            positions,
-            project,
-            [(cache, cache_pos)],
-            max_model_len=4096,
-            num_rejected=rejected,
+            plan.packed, plan.store, features, positions, project, (cache, cache_pos),
+            max_model_len=4096, accepted=accepted,
         )
     else:
-        dr.store_context_kv(cache, cache_pos, kv, positions, plan.store, rejected)
-    anchor = draft_anchor_positions(plan, positions, rejected)
+        kv = torch.empty(rows, DIM, dtype=torch.bfloat16, device=DEVICE)
+        dr.store_context_kv(cache, cache_pos, kv, positions, plan.store, accepted)
+    anchor = draft_anchor_positions(plan, accepted)
     mask = dr.window_mask(cache_pos, plan.draft_slots, anchor, WINDOW)
     assert mask.shape == (plan.draft_rows, WINDOW) and mask.device.type == DEVICE
     return plan
@@ -91,7 +91,7 @@ def test_host_sync_free_flat_ragged_packed_and_release_steps():
     freed = table.release(["b"])
     rings.clear_slots(cache_pos, freed)
     plan = device_step(cache, cache_pos, table, ["f", "a"], [3, K + 1], [0, K])
-    assert table.slot_of("f") == freed[0]
+    assert table.assign(["f"]) == freed
 
 
 def test_host_sync_guard_catches_one_item(monkeypatch):
@@ -123,14 +123,15 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     gen = torch.Generator().manual_seed(step)
     rows = int(qsl[-1])
-    inputs = dict(
+    inputs = DSparkStepInput(
         req_ids=req_ids,
-        query_start_loc_cpu=torch.from_numpy(qsl),
+        query_start_loc_cpu=qsl,
+        num_draft_tokens=np.asarray(drafts),
+        prefilling=np.zeros(len(req_ids), bool),
         positions=torch.arange(rows) + 10 * step,
         aux_hidden_states=torch.randn(rows, width, generator=gen).to(torch.bfloat16),
         num_rejected=torch.tensor(rejected),
         next_token_ids=torch.randint(0, shape.vocab_size, (len(req_ids),), generator=gen),
-        num_draft_tokens=drafts,
     )
     # The runner's view at _update_states: the requests it holds, what the scheduler reports.
     runner = SimpleNamespace(drafter=proposer, vllm_config=proposer.vllm_config,
@@ -138,7 +139,7 @@ def _whole_step(proposer, step: int, req_ids, lengths, drafts, rejected):
     scheduled = SimpleNamespace(finished_req_ids={f"gone{step}"}, preempted_req_ids=set())
     with HostReadGuard() as guard:
         before_step(runner, scheduled)
-        drafts = proposer.propose(**inputs)
+        drafts = proposer.propose(inputs)
         # Async scheduling: the step's output takes the budgets (read later, off the step).
         output = with_draft_budgets(_StepOutput(), proposer)
     budgets = getattr(output, "_budgets_cpu", None)

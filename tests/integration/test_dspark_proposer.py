@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import vllm.v1.spec_decode.dspark.step_plan as step_mod
+from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
 from tests.support.draft_hooks import replace_drafts, restore_drafts
 from tests.support.dspark_steps import observe_steps
@@ -63,15 +65,16 @@ class Sim:
             anchors.append(int(torch.randint(0, self.vocab, (1,), generator=g)))
         aux = torch.cat(aux)
         anchors = torch.tensor(anchors)
-        drafts = self.p.propose(
+        drafts = self.p.propose(DSparkStepInput(
             req_ids=ids,
-            query_start_loc_cpu=torch.tensor(qsl),
+            query_start_loc_cpu=np.array(qsl),
+            num_draft_tokens=np.array(bound),
+            prefilling=np.zeros(len(ids), bool),
             positions=torch.tensor(positions),
             aux_hidden_states=aux,
             num_rejected=torch.tensor(rej),
             next_token_ids=anchors,
-            num_draft_tokens=bound,
-        )
+        ))
         rec = self.records[-1]
         for i, (rid, rows, r) in enumerate(segments):
             for row in range(qsl[i], qsl[i + 1] - r):
@@ -161,15 +164,16 @@ def _propose(p, segments, width, gen):
         qsl.append(qsl[-1] + rows)
         pos.extend(range(first, first + rows))
         aux.append(a)
-    return p.propose(
+    return p.propose(DSparkStepInput(
         req_ids=[s[0] for s in segments],
-        query_start_loc_cpu=torch.tensor(qsl),
+        query_start_loc_cpu=np.array(qsl),
+        num_draft_tokens=np.array([s[3] for s in segments]),
+        prefilling=np.zeros(len(segments), bool),
         positions=torch.tensor(pos),
         aux_hidden_states=torch.cat(aux),
         num_rejected=torch.tensor([s[3] for s in segments]),
         next_token_ids=torch.tensor([s[4] for s in segments]),
-        num_draft_tokens=[s[3] for s in segments],
-    )
+    ))
 
 
 def test_released_slot_is_reused_without_its_old_context(env):
@@ -183,12 +187,12 @@ def test_released_slot_is_reused_without_its_old_context(env):
     new_aux = rows(3)
     p = make_proposer(draft, vc, max_num_seqs=2)
     _propose(p, [("old", 0, 60, 0, 5, rows(60)), ("keep", 0, 5, 0, 6, rows(5))], width, gen)
-    slot_old = p.slot_table.slot_of("old")
+    [slot_old] = p.slot_table.assign(["old"])  # its row (a known id keeps it)
     p.release(["old"])
     assert p.counters.released_slots == 1
     assert not (p.kv_pos[slot_old] >= 0).any()
     reused = _propose(p, [("keep", 5, 1, 0, 6, rows(1)), ("new", 0, 3, 0, 9, new_aux)], width, gen)
-    assert p.slot_table.slot_of("new") == slot_old
+    assert p.slot_table.assign(["new"]) == [slot_old]
     fresh = make_proposer(draft, vc, max_num_seqs=2)
     alone = _propose(fresh, [("new", 0, 3, 0, 9, new_aux)], width, gen)
     assert torch.equal(reused[1], alone[0])
@@ -220,7 +224,7 @@ def test_before_step_frees_every_request_that_left(env):
     ids = ["done", "preempted", "vanished", "running"]
     _propose(p, [(r, 0, 3, 0, 5, torch.randn(3, width, generator=gen).bfloat16()) for r in ids],
              width, gen)
-    slots = {r: p.slot_table.slot_of(r) for r in ids}
+    slots = dict(zip(ids, p.slot_table.assign(ids), strict=True))
     runner = SimpleNamespace(drafter=p, vllm_config=vc,
                              requests=dict.fromkeys(["preempted", "running"]))
     before_step(runner, SimpleNamespace(finished_req_ids={"done"},
@@ -254,16 +258,18 @@ def test_probabilistic_drafts_keep_distributions(env):
     sim = Sim(p, seed=5)
     temperature = torch.tensor([0.0, 0.8, 1.3])
     ids = ["g", "r1", "r2"]
-    drafts = p.propose(
+    drafts = p.propose(DSparkStepInput(
         req_ids=ids,
-        query_start_loc_cpu=torch.tensor([0, 4, 9, 30]),
+        query_start_loc_cpu=np.array([0, 4, 9, 30]),
+        num_draft_tokens=np.zeros(3, np.int64),
+        prefilling=np.zeros(3, bool),
         positions=torch.cat([torch.arange(4), torch.arange(5), torch.arange(21)]),
         aux_hidden_states=torch.randn(30, sim.width, generator=sim.gen).to(torch.bfloat16),
         num_rejected=torch.zeros(3, dtype=torch.int64),
         next_token_ids=torch.tensor([7, 8, 9]),
         temperature=temperature,
-        temperature_cpu=temperature,
-    )
+        temperature_cpu=temperature.numpy(),
+    ))
     probs = p.take_last_draft_probs()
     assert p.take_last_draft_probs() is None
     k = p.num_speculative_tokens

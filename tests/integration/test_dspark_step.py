@@ -1,4 +1,4 @@
-"""The step plan (``dspark_step.plan_step``): layout decisions, host numbers, named errors.
+"""The step plan (``step_plan.plan_step``): layout decisions, host numbers, named errors.
 
 Expected values are worked out by hand from the step's host metadata (lengths, draft
 counts, prefill flags), not taken from the module.
@@ -11,19 +11,22 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from vllm.v1.spec_decode.dspark.context_store import last_accepted
 from vllm.v1.spec_decode.dspark.step_plan import capture_sizes, draft_anchor_positions, plan_step
 
 K, WINDOW, SLOTS = 4, 8, 6
 
 
-def plan(lengths, slots=None, drafts=None, prefilling=None, temperature=None, **kw):
-    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+def plan(lengths, slots=None, drafts=None, prefilling=None, temperature=None, *, qsl=None, **kw):
+    """``plan_step`` of one step; no drafts verified and nobody prefilling unless given."""
+    num = len(lengths)
     return plan_step(
-        qsl,
-        list(range(len(lengths))) if slots is None else slots,
-        num_draft_tokens=drafts,
-        prefilling=prefilling,
-        temperature_cpu=temperature,
+        np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]) if qsl is None else qsl,
+        list(range(num)) if slots is None else slots,
+        num_draft_tokens=np.zeros(num, np.int64) if drafts is None else np.asarray(drafts),
+        prefilling=np.zeros(num, bool) if prefilling is None else np.asarray(prefilling),
+        temperature_cpu=None if temperature is None else np.asarray(temperature),
+        never_cut=kw.pop("never_cut", None),
         window=WINDOW,
         num_slots=SLOTS,
         num_spec_tokens=K,
@@ -50,7 +53,7 @@ def test_decode_step_is_flat_with_padded_draft_batch_and_host_counts():
 def test_prefill_chunk_goes_through_packed_prefill_and_prefilling_rejects_nothing():
     p = plan([K + 1, 40], drafts=[K, 0], prefilling=[False, True])
     assert not p.store.uniform and p.packed is not None
-    assert (p.packed.num_tokens, p.packed.num_requests) == (45, 2)
+    assert (p.num_requests, p.packed.num_tokens) == (2, 45)
     assert p.store.max_rejected_rows == K and p.num_discarded == 1
     # A prefilling request's rejection bound is 0 whatever the draft count says.
     assert plan([K + 1, 3], drafts=[K, 2], prefilling=[False, True]).store.max_rejected_rows == K
@@ -59,38 +62,53 @@ def test_prefill_chunk_goes_through_packed_prefill_and_prefilling_rejects_nothin
 def test_anchor_positions_follow_the_device_rejections_and_pads_are_zero():
     p = plan([K + 1, 3], drafts=[K, 0])
     positions = torch.tensor([10, 11, 12, 13, 14, 0, 1, 2])
-    anchors = draft_anchor_positions(p, positions, torch.tensor([3, 0]))
+    anchors = draft_anchor_positions(p, last_accepted(p.store, positions, torch.tensor([3, 0])))
     assert anchors.tolist() == [12, 3]  # request 0 keeps rows 10..11, request 1 rows 0..2
     p = plan([1, 1, 1], drafts=[0, 0, 0])
-    anchors = draft_anchor_positions(p, torch.tensor([5, 9, 0]), torch.zeros(3, dtype=torch.long))
-    assert anchors.tolist() == [6, 10, 1, 0]
+    accepted = last_accepted(p.store, torch.tensor([5, 9, 0]), torch.zeros(3, dtype=torch.long))
+    assert draft_anchor_positions(p, accepted).tolist() == [6, 10, 1, 0]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must be a host tensor or numpy array \[R\+1\]"),
-        ({"lengths": [3, 2], "drafts": [1]}, r"num_draft_tokens must have shape \[R\]"),
+        ({"lengths": [3], "slots": [0, 1]}, r"query_start_loc_cpu must have shape \[3\], got \(2,\)"),
+        ({"lengths": [3], "qsl": np.array([1, 4])}, r"query_start_loc_cpu\[0\] must be 0, got 1"),
+        ({"lengths": [3, 0], "drafts": [0, 0]}, r"request 1 has 0 rows \(query_start_loc_cpu\[2\]"),
+        ({"lengths": [5, 0], "qsl": np.array([0, 5, 3])}, "request 1 has -2 rows"),
+        ({"lengths": [3, 2], "drafts": [1]}, r"num_draft_tokens must have shape \[2\], got \(1,\)"),
+        ({"lengths": [6], "drafts": [1.0]}, "num_draft_tokens must hold integers, got float64"),
         ({"lengths": [6], "drafts": [K + 1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
         ({"lengths": [6], "drafts": [-1]}, rf"num_draft_tokens must be in \[0, k={K}\]"),
-        ({"lengths": [3], "drafts": [3]}, "keeps its anchor row"),
-        ({"lengths": [3, 2], "prefilling": [True]}, r"prefilling must have shape \[R\]"),
+        ({"lengths": [3], "drafts": [3]}, "request 0 has 3 rows .* but 3 verified drafts"),
+        ({"lengths": [3, 2], "prefilling": [True]}, r"prefilling must have shape \[R\] with R=2"),
         ({"lengths": [3], "temperature": [0.5, 1.0]}, r"temperature_cpu must have shape \[R\]"),
+        ({"lengths": [3, 2], "never_cut": [True]}, r"never_cut must have shape \[R\] with R=2"),
         ({"lengths": [1, 1, 1], "sizes": [1, 2]}, "exceed the largest draft size"),
         ({"lengths": [3], "slots": [SLOTS]}, rf"slots must be in \[0, S={SLOTS}\)"),
+        ({"lengths": [3], "slots": [-1]}, rf"slots must be in \[0, S={SLOTS}\)"),
+        ({"lengths": [3, 2], "slots": [1, 1]}, r"slots must be distinct"),
     ],
 )
 def test_bad_step_metadata_raises_before_any_device_work(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        plan(**kwargs)
+        plan(**kwargs, device="meta")  # no device work: the error comes before any copy
 
 
 def test_largest_prefill_chunk_is_packed_and_one_rank_owns_it_by_default():
-    """N = 8192 is still a packed chunk (DESIGN section 6: 1 <= N <= 8192); without tp_size
-    the plan is for one GPU, whose single rank owns every row."""
+    """N = 8192 (the recipe's max_num_batched_tokens) is still a packed chunk; without
+    tp_size the plan is for one GPU, whose single rank owns every row."""
     p = plan([K + 1, 8192 - (K + 1)], drafts=[K, 0], prefilling=[False, True])
     assert p.packed is not None and p.packed.num_tokens == 8192
     assert (p.packed.tp_size, p.packed.rows_per_rank, p.packed.num_pad_rows) == (1, 8192, 0)
+
+
+def test_never_cut_rows_are_drafting_requests_and_pads_are_cut_freely():
+    """A request in chunked prefill drafts nothing to keep; a pad row is no request."""
+    p = plan([K + 1, 9, K + 1], drafts=[K, 0, K], prefilling=[False, True, False],
+             never_cut=[True, True, False])
+    assert p.never_cut.tolist() == [1, 0, 0, 0] and p.num_never_cut == 1
+    assert plan([K + 1], drafts=[K]).never_cut.tolist() == [0]
 
 
 def test_greedy_step_samples_nothing():
@@ -102,16 +120,15 @@ def test_greedy_step_samples_nothing():
 @pytest.mark.parametrize(
     "qsl, got",
     [
-        ([0, 3], "list"),
-        (torch.tensor([[0, 3]]), r"shape \(1, 2\) on cpu"),
-        (np.array([[0, 3]]), r"shape \(1, 2\) on cpu"),
-        (torch.tensor([0, 3], device="meta"), r"shape \(2,\) on meta"),
+        (torch.tensor([[0, 3]]), r"must have shape \[2\], got \(1, 2\)"),
+        (np.array([[0, 3]]), r"must have shape \[2\], got \(1, 2\)"),
+        (torch.tensor([0, 3], device="meta"), r"must be a host \(CPU\) array \[2\], got meta"),
+        (np.array([0.0, 3.0]), "must hold integers, got float64"),
     ],
 )
 def test_query_start_loc_that_is_not_a_host_vector_names_what_it_got(qsl, got):
-    with pytest.raises(ValueError, match=rf"R=1, got {got}$"):
-        plan_step(qsl, [0], num_draft_tokens=None, prefilling=None, temperature_cpu=None,
-                  window=WINDOW, num_slots=SLOTS, num_spec_tokens=K, draft_sizes=[1])
+    with pytest.raises(ValueError, match=rf"^query_start_loc_cpu {got}$"):
+        plan([3], qsl=qsl)
 
 
 def test_plan_is_frozen_and_compares_by_identity():
@@ -137,8 +154,9 @@ def test_runner_numpy_query_start_loc_plans_like_the_tensor():
     """The runner hands its int32 numpy view; the plan (packed part included) is the same."""
     lengths = [K + 1, 40, 2]
     qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    kw = dict(num_draft_tokens=[K, 0, 1], prefilling=[False, True, False], temperature_cpu=None,
-              window=WINDOW, num_slots=SLOTS, num_spec_tokens=K, draft_sizes=capture_sizes(SLOTS))
+    kw = dict(num_draft_tokens=np.array([K, 0, 1]), prefilling=np.array([False, True, False]),
+              temperature_cpu=None, never_cut=None, window=WINDOW, num_slots=SLOTS,
+              num_spec_tokens=K, draft_sizes=capture_sizes(SLOTS))
     from_tensor = plan_step(qsl, [3, 1, 5], **kw)
     from_numpy = plan_step(qsl.numpy(), [3, 1, 5], **kw)
     for a, b in ((from_tensor, from_numpy), (from_tensor.store, from_numpy.store)):
@@ -146,13 +164,12 @@ def test_runner_numpy_query_start_loc_plans_like_the_tensor():
             x, y = getattr(a, field.name), getattr(b, field.name)
             if isinstance(x, torch.Tensor):
                 assert torch.equal(x, y), field.name
-            elif field.name not in ("store", "packed"):
+            elif field.name != "store":
                 assert x == y, field.name
-    assert from_numpy.packed is not None
-    assert torch.equal(from_numpy.packed.query_start_loc, qsl)
-    assert (from_numpy.packed.num_tokens, from_numpy.packed.num_requests) == (47, 3)
-    # The plan keeps its own copy: the runner may refill its buffer next step.
-    buffer = qsl.numpy().copy()
-    p = plan_step(buffer, [3, 1, 5], **kw)
-    buffer[:] = 0
-    assert p.packed.query_start_loc.tolist() == [0, K + 1, K + 41, K + 43]
+    assert from_numpy.packed is not None and from_numpy.packed.num_tokens == 47
+    # The plan keeps its own copy: the runner may refill its buffer next step (int64: the
+    # one dtype the plan would not have to convert).
+    for buffer in (qsl.numpy().copy(), qsl.numpy().astype(np.int64)):
+        p = plan_step(buffer, [3, 1, 5], **kw)
+        buffer[:] = 0
+        assert p.store.seg_end.tolist() == [K + 1, K + 41, K + 43]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from vllm.forward_context import set_forward_context
@@ -28,6 +29,7 @@ from vllm.models.deepseek_v4.common.dspark.noise import (
     keyed_uniform,
 )
 from vllm.v1.spec_decode.dspark.context_store import window_mask
+from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
 from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
@@ -89,14 +91,16 @@ def test_block_length_is_num_speculative_tokens(env):
     width = s.hidden_size * len(s.target_layer_ids)
     lengths = [5, 9]
     try:
-        drafts = p.propose(
+        drafts = p.propose(DSparkStepInput(
             req_ids=["a", "b"],
-            query_start_loc_cpu=torch.tensor([0, 5, 14]),
+            query_start_loc_cpu=np.array([0, 5, 14]),
+            num_draft_tokens=np.zeros(2, np.int64),
+            prefilling=np.zeros(2, bool),
             positions=torch.cat([torch.arange(n) for n in lengths]),
             aux_hidden_states=torch.randn(14, width, generator=gen).to(torch.bfloat16),
             num_rejected=torch.zeros(2, dtype=torch.int64),
             next_token_ids=torch.tensor([21, 22]),
-        )
+        ))
     finally:
         hook.remove()
     assert [tuple(b.shape) for b in blocks] == [(2, k)]
@@ -223,17 +227,19 @@ def test_proposer_seeded_request_reproduces_beside_other_requests(env):
         segs = {"s": own, other: noise.to(torch.bfloat16)}
         seeds = {"s": 123, other: other_seed}
         ids = [["s", other][i] for i in order]
-        drafts = p.propose(
+        drafts = p.propose(DSparkStepInput(
             req_ids=ids,
-            query_start_loc_cpu=torch.tensor([0, 6, 12]),
+            query_start_loc_cpu=np.array([0, 6, 12]),
+            num_draft_tokens=np.zeros(2, np.int64),
+            prefilling=np.zeros(2, bool),
             positions=torch.cat([torch.arange(6), torch.arange(6)]),
             aux_hidden_states=torch.cat([segs[r] for r in ids]),
             num_rejected=torch.zeros(2, dtype=torch.int64),
             next_token_ids=torch.tensor([17 if r == "s" else 18 for r in ids]),
             temperature=torch.ones(2),
-            temperature_cpu=torch.ones(2),
+            temperature_cpu=np.ones(2),
             request_seeds=[seeds[r] for r in ids],
-        )
+        ))
         results.append(drafts[ids.index("s")])
     assert torch.equal(results[0], results[1])
 

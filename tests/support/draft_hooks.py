@@ -2,7 +2,8 @@
 
 Oracle drafts (the plain target's own continuation), replayed outputs and corrupted drafts
 make acceptance-dependent paths run on purpose. The proposer has no hook for this: the
-harness wraps the instance's ``_draft`` (the step's draft block) and restores it after.
+harness wraps the instance's ``_draft`` (the step's draft block) and ``plan`` (which sees
+the step's request ids in batch order) and restores both after.
 
 ``hook(req_ids=, anchor_positions=, anchor_tokens=, drafts=)`` gets the step's ``[R]``
 anchor positions and tokens and the ``[R, k]`` drafts, and returns replacement drafts or
@@ -22,12 +23,18 @@ Hook = Callable[..., "torch.Tensor | None"]
 def replace_drafts(drafter, hook: Hook) -> None:
     """From the next step on, ``hook`` may replace ``drafter``'s drafts."""
     block = type(drafter)._draft.__get__(drafter)
+    planner = type(drafter).plan.__get__(drafter)
+    step_ids: list = []
 
-    def _draft(req_ids, plan, anchors, anchor_pos, temperature, noise):
-        drafts = block(req_ids, plan, anchors, anchor_pos, temperature, noise)
+    def plan_remembering_ids(req_ids, step):
+        step_ids[:] = req_ids
+        return planner(req_ids, step)
+
+    def _draft(plan, anchors, anchor_pos, temperature, noise):
+        drafts = block(plan, anchors, anchor_pos, temperature, noise)
         num_reqs = plan.num_requests
         replaced = hook(
-            req_ids=req_ids,
+            req_ids=list(step_ids),
             anchor_positions=anchor_pos[:num_reqs],
             anchor_tokens=anchors[:num_reqs],
             drafts=drafts,
@@ -37,9 +44,10 @@ def replace_drafts(drafter, hook: Hook) -> None:
         drafter._last_probs = None
         return replaced.to(drafts.device, drafts.dtype)
 
-    drafter._draft = _draft
+    drafter.plan, drafter._draft = plan_remembering_ids, _draft
 
 
 def restore_drafts(drafter) -> None:
     """The draft model's own drafts again."""
+    drafter.__dict__.pop("plan", None)
     drafter.__dict__.pop("_draft", None)

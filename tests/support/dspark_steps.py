@@ -48,27 +48,28 @@ def observe_steps(
         return
     propose = drafter.propose
 
-    def observed(**kwargs):
-        drafts = propose(**kwargs)
-        callback(_record(drafter, kwargs, drafts, input_ids))
+    def observed(step):
+        drafts = propose(step)
+        callback(_record(drafter, step, drafts, input_ids))
         return drafts
 
     drafter.propose = observed
 
 
-def _record(drafter, kw, drafts, input_ids) -> DSparkStepRecord:
+def _record(drafter, step, drafts, input_ids) -> DSparkStepRecord:
     from vllm.forward_context import set_forward_context
     from vllm.v1.spec_decode.dspark.context_store import window_mask
 
-    qsl = torch.as_tensor(kw["query_start_loc_cpu"]).long()
+    qsl = torch.as_tensor(step.query_start_loc_cpu).long()
     num_rows = int(qsl[-1])
-    req_ids = list(kw["req_ids"])
-    slots = torch.tensor([drafter.slot_table.slot_of(r) for r in req_ids], dtype=torch.int64)
-    positions = kw["positions"][:num_rows].long().cpu()
-    rej = kw["num_rejected"].long().cpu()
+    req_ids = list(step.req_ids)
+    # Every request of the step holds a row now: ``assign`` hands back the ones they hold.
+    slots = torch.tensor(drafter.slot_table.assign(req_ids), dtype=torch.int64)
+    positions = step.positions[:num_rows].long().cpu()
+    rej = step.num_rejected.long().cpu()
     layers, dim = drafter.num_layers, drafter.head_dim
     with torch.inference_mode(), set_forward_context(None, drafter.vllm_config):
-        kv = drafter._project(kw["aux_hidden_states"][:num_rows], kw["positions"][:num_rows])
+        kv = drafter._project(step.aux_hidden_states[:num_rows], step.positions[:num_rows])
     anchor = positions[qsl[1:] - 1 - rej] + 1
     kv_pos = drafter.kv_pos.cpu()
     ring = drafter.kv_cache.cpu()[slots].view(len(req_ids), drafter.window, layers, dim)
@@ -81,7 +82,7 @@ def _record(drafter, kw, drafts, input_ids) -> DSparkStepRecord:
         context_kv=kv.view(num_rows, layers, dim).cpu().clone(),
         num_rejected=rej.clone(),
         anchor_positions=anchor,
-        anchor_tokens=kw["next_token_ids"].cpu().clone(),
+        anchor_tokens=step.next_token_ids.cpu().clone(),
         draft_tokens=drafts.cpu().clone(),
         ring=ring.clone(),
         ring_pos=kv_pos[slots].clone(),

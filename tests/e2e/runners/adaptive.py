@@ -44,17 +44,14 @@ def record_verify_steps(drafter) -> list[dict]:
     steps: list[dict] = []
     propose = drafter.propose
 
-    def recording(**kwargs):
-        drafts = kwargs.get("num_draft_tokens")
-        prefilling = kwargs.get("prefilling")
-        n = len(kwargs["req_ids"])
+    def recording(step):
         steps.append(
             {
-                "drafts": [0] * n if drafts is None else [int(d) for d in drafts],
-                "prefilling": [False] * n if prefilling is None else [bool(p) for p in prefilling],
+                "drafts": [int(d) for d in step.num_draft_tokens],
+                "prefilling": [bool(p) for p in step.prefilling],
             }
         )
-        return propose(**kwargs)
+        return propose(step)
 
     drafter.propose = recording
     return steps

@@ -353,7 +353,7 @@ def run_dspark(model: str, target: PlainTarget) -> dict:
 
     def recording_release(req_ids):
         req_ids = list(req_ids)
-        released.update(r for r in req_ids if drafter.slot_table.slot_of(r) is not None)
+        released.update(r for r in req_ids if r in drafter.live_request_ids)
         original_release(req_ids)
 
     drafter.release = recording_release

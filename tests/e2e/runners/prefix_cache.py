@@ -104,8 +104,8 @@ def window_has_holes(drafter, req_id: str, anchor: int) -> bool:
     import torch
     from vllm.v1.spec_decode.dspark.context_store import window_mask
 
-    slot = drafter.slot_table.slot_of(req_id)
-    slots = torch.tensor([slot], dtype=torch.int64, device=drafter.device)
+    # Asked during the request's step: it holds a row, which ``assign`` hands back.
+    slots = torch.tensor(drafter.slot_table.assign([req_id]), device=drafter.device)
     anchors = torch.tensor([anchor], dtype=torch.int64, device=drafter.device)
     mask = window_mask(drafter.kv_pos, slots, anchors, drafter.window)
     return int(mask.sum()) < min(anchor, drafter.window)
