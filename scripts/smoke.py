@@ -23,8 +23,13 @@ import time
 import urllib.error
 import urllib.request
 
-from scripts.bench.dspark import dspark_delta, format_dspark
-from scripts.bench.prometheus import dspark_snapshot, spec_decode_counters, spec_decode_delta
+from scripts.node.metrics import (
+    dspark_delta,
+    dspark_snapshot,
+    format_dspark,
+    spec_decode_counters,
+    spec_decode_delta,
+)
 
 PROMPT = "List the first ten prime numbers, separated by commas."
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import recipe
-from . import content, prometheus
+from . import content, levels
 
 RESULT_KIND = "dspark-serving-sweep"
 
@@ -108,7 +108,7 @@ def get(base_url: str, path: str, api_key: str | None) -> bytes:
 
 def scrape(base_url: str, api_key: str | None) -> dict[str, Any]:
     """Every per-level /metrics series now (None where the server exposes none)."""
-    return prometheus.read_level_snapshot(get(base_url, "/metrics", api_key).decode())
+    return levels.read_level_snapshot(get(base_url, "/metrics", api_key).decode())
 
 
 def run_sweep(cfg: SweepConfig, tokenizer: Any, log=print) -> list[dict[str, Any]]:
@@ -123,7 +123,7 @@ def run_sweep(cfg: SweepConfig, tokenizer: Any, log=print) -> list[dict[str, Any
         log(f"[bench] level {name}")
         before = scrape(cfg.base_url, cfg.api_key)
         theirs = run_vllm_bench(cfg, tokenizer, name, kind, plen, conc, n)
-        series, problems = prometheus.level_deltas(before, scrape(cfg.base_url, cfg.api_key))
+        series, problems = levels.level_deltas(before, scrape(cfg.base_url, cfg.api_key))
         for line in problems:
             log(f"[bench] warning: {name}: {line}")
         tokens, duration = series["tokens"], theirs["duration"]

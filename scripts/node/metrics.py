@@ -1,12 +1,28 @@
-"""DSpark's series on a vLLM server's /metrics (the overlay's ``dspark_metrics``), parsed:
-``dspark_delta(dspark_from_samples(before), dspark_from_samples(after))``, printed with
-``format_dspark``. Standard library only: the smoke check and the sweep share it.
+"""What a node's /metrics page says: vLLM's spec-decode counters and DSpark's own series.
+
+The page is parsed by ``prometheus_client`` (installed with vLLM, in the image too); this
+module only picks the series: ``spec_decode_delta(spec_decode_counters(before), ...)`` and
+``dspark_delta(dspark_snapshot(before), dspark_snapshot(after))``, printed with
+``format_dspark``. The smoke check (the container's health check), the rehearsal and the
+benchmark sweep share it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Sample = tuple[str, dict[str, str], float]
+
+# vLLM's speculative-decoding counters (Prometheus names as exposed on /metrics).
+SPEC_COUNTERS = {
+    "num_drafts": "vllm:spec_decode_num_drafts_total",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
+SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 STEPS = "vllm:dspark_steps_total"
 CONTEXT_ROWS = "vllm:dspark_context_rows_total"
@@ -19,9 +35,86 @@ KINDS = ("stored", "rejected")
 _LABELLED = {STEPS: ("path", PATHS), CONTEXT_ROWS: ("kind", KINDS)}
 
 
-def dspark_from_samples(
-    samples: Iterable[tuple[str, dict[str, str], float]],
+def parse_prometheus(text: str) -> list[Sample]:
+    """A /metrics page as (name, labels, value) samples; a malformed page raises ValueError
+    naming its first bad line."""
+    try:
+        return [
+            (s.name, dict(s.labels), float(s.value))
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+    except ValueError as exc:
+        for line_no, line in enumerate(text.splitlines(), start=1):
+            try:
+                list(text_string_to_metric_families(line + "\n"))
+            except ValueError:
+                raise ValueError(
+                    f"/metrics line {line_no}: not in the Prometheus text format: {line[:120]!r}"
+                ) from exc
+        raise
+
+
+def spec_counters_from_samples(samples: list[Sample]) -> dict[str, Any] | None:
+    """vLLM's spec-decode counters summed over label sets (engines, data-parallel ranks), the
+    per-position one by its `position` label; None when the page has none (speculation off)."""
+    names = {name: key for key, name in SPEC_COUNTERS.items()}
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    per_pos: dict[int, float] = {}
+    seen = False
+    for name, labels, value in samples:
+        if name in names:
+            totals[names[name]] += value
+        elif name == SPEC_ACCEPTED_PER_POS:
+            if "position" not in labels:
+                raise ValueError(f"{SPEC_ACCEPTED_PER_POS} sample without a position label")
+            per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + value
+        else:
+            continue
+        seen = True
+    if not seen:
+        return None
+    width = max(per_pos) + 1 if per_pos else 0
+    return {**totals, "accepted_per_position": [per_pos.get(i, 0.0) for i in range(width)]}
+
+
+def spec_decode_counters(text: str) -> dict[str, Any] | None:
+    """Spec-decode counters of a /metrics page (see `spec_counters_from_samples`)."""
+    return spec_counters_from_samples(parse_prometheus(text))
+
+
+def spec_decode_delta(
+    before: Mapping[str, Any] | None, after: Mapping[str, Any] | None
 ) -> dict[str, Any] | None:
+    """Counter increments between two snapshots, with the derived acceptance figures:
+    mean_acceptance_length = 1 + accepted / drafts (tokens per verify step, bonus included, as
+    vLLM's log line), acceptance_rate = accepted / draft tokens, acceptance_per_position[k] =
+    accepted at draft position k / drafts; ratios are None when nothing was drafted."""
+    if after is None:
+        return None
+    before = before or {**dict.fromkeys(SPEC_COUNTERS, 0.0), "accepted_per_position": []}
+    d = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+    if min(d.values()) < 0:
+        raise ValueError("spec-decode counters went backwards: was the server restarted mid-run?")
+    b_pos = list(before["accepted_per_position"])
+    per_pos = [a - (b_pos[i] if i < len(b_pos) else 0.0)
+               for i, a in enumerate(after["accepted_per_position"])]
+    drafts, accepted = d["num_drafts"], d["num_accepted_tokens"]
+    return {
+        **{key: int(round(v)) for key, v in d.items()},
+        "accepted_per_position": [int(round(x)) for x in per_pos],
+        "acceptance_rate": accepted / d["num_draft_tokens"] if d["num_draft_tokens"] > 0 else None,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts > 0 else None,
+        "acceptance_per_position": [x / drafts for x in per_pos] if drafts > 0 else None,
+    }
+
+
+def dspark_snapshot(text: str) -> dict[str, Any] | None:
+    """The DSpark drafter's series of a /metrics page (see ``dspark_from_samples``)."""
+    return dspark_from_samples(parse_prometheus(text))
+
+
+def dspark_from_samples(samples: Iterable[Sample]) -> dict[str, Any] | None:
     """The DSpark series of one parsed /metrics page, summed over engines and model names.
 
     Returns ``{"steps": {path: n}, "context_rows": {kind: n}, "drafts_discarded": n,

@@ -26,7 +26,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from scripts.bench.prometheus import dspark_snapshot
+from scripts.node.metrics import dspark_snapshot
 
 VOCAB_LOW, VOCAB_HIGH = 10, 1000  # ids of ordinary tokens of the tiny tokenizer
 MIXED_PROMPT_LENS = [620, 180, 480, 350, 700, 260, 540, 90, 410, 650]

@@ -22,7 +22,7 @@ import uuid
 import jsonschema
 import pytest
 
-from scripts.bench.prometheus import spec_decode_counters
+from scripts.node.metrics import spec_decode_counters
 from scripts.verify.teacher_forcing import EPSILON_NATS
 from tests.support import grammar_oracle as grammar
 from tests.support.paths import REPO

@@ -22,8 +22,7 @@ import urllib.request
 import pytest
 import yaml
 
-from scripts.bench.dspark import dspark_delta, format_dspark
-from scripts.bench.prometheus import dspark_snapshot, parse_prometheus
+from scripts.node.metrics import dspark_delta, dspark_snapshot, format_dspark, parse_prometheus
 from scripts.verify.teacher_forcing import EPSILON_NATS, token_deficits
 from tests.support.cpu_server import CPU_TINY_API_KEY, child_pids, process_tree_rss
 from tests.support.paths import REPO

@@ -20,7 +20,8 @@ from aiohttp import web
 
 from scripts import recipe
 from scripts.bench import __main__ as bench_cli
-from scripts.bench import ab, content, prometheus, report
+from scripts.bench import ab, content, levels, report
+from scripts.node import metrics
 from tests.support.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -215,21 +216,21 @@ VLLM_METRICS_SAMPLE = (FIXTURES / "vllm_metrics_sample.txt").read_text()
 
 
 def test_parse_vllm_spec_decode_counters():
-    c = prometheus.spec_decode_counters(VLLM_METRICS_SAMPLE)
+    c = metrics.spec_decode_counters(VLLM_METRICS_SAMPLE)
     assert c == {
         "num_drafts": 210.0,
         "num_draft_tokens": 1050.0,
         "num_accepted_tokens": 300.0,
         "accepted_per_position": [182.0, 81.0, 29.0, 7.0, 1.0],
     }
-    samples = prometheus.parse_prometheus(VLLM_METRICS_SAMPLE)
+    samples = metrics.parse_prometheus(VLLM_METRICS_SAMPLE)
     http = [s for s in samples if s[0] == "http_requests_total"][0]
     assert http[1]["note"] == 'a "quoted" \\ value' and http[2] == 7.0
     assert [s for s in samples if s[0] == "process_start_time_seconds"][0][1] == {}
 
 
 def test_spec_decode_delta_and_derived_figures():
-    before = prometheus.spec_decode_counters(VLLM_METRICS_SAMPLE)
+    before = metrics.spec_decode_counters(VLLM_METRICS_SAMPLE)
     after = copy.deepcopy(before)
     after["num_drafts"] += 100
     after["num_draft_tokens"] += 500
@@ -237,40 +238,40 @@ def test_spec_decode_delta_and_derived_figures():
     after["accepted_per_position"] = [
         a + d for a, d in zip(before["accepted_per_position"], [80, 50, 30, 15, 5], strict=True)
     ]
-    d = prometheus.spec_decode_delta(before, after)
+    d = metrics.spec_decode_delta(before, after)
     assert d["num_drafts"] == 100 and d["num_draft_tokens"] == 500
     assert d["num_accepted_tokens"] == 180
     assert d["accepted_per_position"] == [80, 50, 30, 15, 5]
     assert d["acceptance_rate"] == pytest.approx(0.36)
     assert d["mean_acceptance_length"] == pytest.approx(2.8)
     assert d["acceptance_per_position"] == pytest.approx([0.8, 0.5, 0.3, 0.15, 0.05])
-    idle = prometheus.spec_decode_delta(before, before)
+    idle = metrics.spec_decode_delta(before, before)
     assert idle["num_drafts"] == 0 and idle["mean_acceptance_length"] is None
     assert idle["acceptance_per_position"] is None
-    assert prometheus.spec_decode_counters("# nothing\nvllm:num_requests_running 1\n") is None
+    assert metrics.spec_decode_counters("# nothing\nvllm:num_requests_running 1\n") is None
     with pytest.raises(ValueError, match="backwards"):
-        prometheus.spec_decode_delta(after, before)
+        metrics.spec_decode_delta(after, before)
 
 
 def test_level_deltas_of_the_fixture_pages_and_a_restarted_server():
-    deltas, problems = prometheus.level_deltas(prometheus.read_level_snapshot(BEFORE),
-                                               prometheus.read_level_snapshot(AFTER))
+    deltas, problems = levels.level_deltas(levels.read_level_snapshot(BEFORE),
+                                               levels.read_level_snapshot(AFTER))
     assert problems == []
     assert deltas["spec_decode"] == EXPECTED_SPEC
     assert deltas["dspark"] == EXPECTED_DSPARK
     assert deltas["tokens"] == EXPECTED_TOKENS
-    backwards, problems = prometheus.level_deltas(prometheus.read_level_snapshot(AFTER),
-                                                  prometheus.read_level_snapshot(BEFORE))
+    backwards, problems = levels.level_deltas(levels.read_level_snapshot(AFTER),
+                                                  levels.read_level_snapshot(BEFORE))
     assert backwards == {"spec_decode": None, "dspark": None, "tokens": None}
     assert len(problems) == 3 and all("backwards" in p for p in problems)
-    none, _ = prometheus.level_deltas(prometheus.read_level_snapshot("up 1\n"),
-                                      prometheus.read_level_snapshot("up 1\n"))
+    none, _ = levels.level_deltas(levels.read_level_snapshot("up 1\n"),
+                                      levels.read_level_snapshot("up 1\n"))
     assert none == {"spec_decode": None, "dspark": None, "tokens": None}
 
 
 def test_malformed_metrics_line_is_named():
     with pytest.raises(ValueError, match="line 2"):
-        prometheus.parse_prometheus("ok_metric 1\nthis is not a sample\n")
+        metrics.parse_prometheus("ok_metric 1\nthis is not a sample\n")
 
 
 # ---- make ab ---------------------------------------------------------------------------

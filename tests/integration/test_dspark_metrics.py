@@ -1,5 +1,5 @@
 """DSpark's Prometheus series: the worker-side exporter (overlay ``dspark_metrics``) and the
-client-side parser (``scripts/bench/dspark.py``), checked against the counters fed in.
+client-side parser (``scripts/node/metrics.py``), checked against the counters fed in.
 
 The exporter is driven with the proposer's own ``DSparkCounters``; the oracle for every
 published value is the snapshot that was fed, read back through prometheus_client's text
@@ -22,8 +22,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters
 from vllm.v1.spec_decode.dspark.metrics import CONTEXT_ROWS, STEPS, DSparkMetrics
 
-from scripts.bench.dspark import dspark_delta, format_dspark
-from scripts.bench.prometheus import dspark_snapshot
+from scripts.node.metrics import dspark_delta, dspark_snapshot, format_dspark
 
 PUBLISHED = [*STEPS.values(), *CONTEXT_ROWS.values(), "discarded_drafts"]
 
@@ -147,7 +146,7 @@ def test_other_tp_ranks_and_unset_directory_export_nothing(tmp_path):
     assert list(unset.iterdir()) == []
 
 
-# ---- scripts/bench/dspark.py -----------------------------------------------------------
+# ---- scripts/node/metrics.py -----------------------------------------------------------
 
 
 def snapshot_text(flat, ragged, stored=10, in_use=0, engine="0") -> str:
