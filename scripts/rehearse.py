@@ -37,8 +37,8 @@ from pathlib import Path
 import yaml
 
 from scripts import recipe
-from scripts.node.metrics import PATHS
 from scripts.node.env import LOOPBACK_BYPASS
+from scripts.node.metrics import PATHS
 from scripts.rehearsal.netns import Fabric, LoopbackFabric, NamespacesUnavailable
 from scripts.rehearsal.node import REPO, Node, cpu_seconds
 
