@@ -9,7 +9,6 @@ exact counting; no expected value is produced by the code under test.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,11 +22,7 @@ from vllm.models.deepseek_v4.common.dspark.model import (
     draft_noise_token_id,
     pad_to_tp_shards,
 )
-from vllm.models.deepseek_v4.common.dspark.noise import (
-    RequestSeeds,
-    keyed_race_noise,
-    keyed_uniform,
-)
+from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
 from vllm.v1.spec_decode.dspark.context_store import window_mask
 from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
@@ -126,24 +121,6 @@ def test_block_length_is_num_speculative_tokens(env):
 # ------------------------------------------------------------------ seeded, keyed drafting
 
 
-def test_keyed_uniform_is_a_function_of_seed_position_and_token():
-    seeds = torch.tensor([5, 5, 6, -(2**62)])
-    pos = torch.tensor([10, 11, 10, 10])
-    u = keyed_uniform(seeds, pos, 1000)
-    assert u.shape == (4, 1000) and u.dtype == torch.float64
-    assert ((u > 0) & (u < 1)).all()
-    # Same key, any batch: row 0 alone equals row 0 in the batch.
-    assert torch.equal(keyed_uniform(seeds[:1], pos[:1], 1000), u[:1])
-    # A different position or seed gives a different stream.
-    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    # Roughly uniform: mean 1/2, variance 1/12 over 4000 draws (5 sigma bounds).
-    flat = u.flatten()
-    assert abs(flat.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / flat.numel())
-    assert abs(flat.var().item() - 1 / 12) < 0.01
-    with pytest.raises(ValueError, match="seeds and positions must both be"):
-        keyed_uniform(seeds, pos[:2], 10)
-
-
 def _toy_markov(vocab: int, rank: int = 3):
     """fp32 Markov head as pure table lookups (row-independent, batch-shape independent)."""
     g = torch.Generator().manual_seed(11)
@@ -192,7 +169,7 @@ def test_keyed_race_draws_from_the_markov_distribution():
     seeds = torch.arange(draws) * 7919 + 1
     out = markov_block_sample(
         base, anchors, embed, bias, temperature=temp, return_probs=True,
-        race_noise=-torch.log(keyed_uniform(seeds, torch.full((draws,), 50), vocab))[:, None],
+        race_noise=keyed_race_noise(seeds, torch.full((draws,), 50), 1, vocab),
     )
     q = out.probs[0, 0].double()
     freq = torch.bincount(out.tokens[:, 0], minlength=vocab).double() / draws

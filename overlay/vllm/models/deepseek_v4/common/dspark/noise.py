@@ -7,7 +7,11 @@ target's. No RNG state advances, so a request with ``seed=`` drafts the same tok
 batch it shares, whichever batch row it sits in, and however its steps were chunked.
 Requests without a seed get a random one when first seen (as upstream's sampler states do).
 
-Pure torch (a 32-bit MurmurHash3-style mix evaluated in int64 lanes), no vLLM import.
+The key is a 32-bit MurmurHash3-style mix of (seed low, seed high, position, token) and the
+draw is ``E = -log((h + 0.5) / 2**32)`` evaluated in float64, rounded to float32. The whole
+``[R, N, V]`` block is written in one pass: a Numba loop on the host (no temporaries, 32-bit
+lanes), a Triton kernel on CUDA (keys and logs in registers). The per-row part of the mix
+(seed and position) is done once per row; only the token's part runs per element.
 """
 
 from __future__ import annotations
@@ -16,58 +20,17 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["DRAFT_NOISE_SALT", "RequestSeeds", "keyed_race_noise", "keyed_uniform"]
+__all__ = ["DRAFT_NOISE_SALT", "RequestSeeds", "keyed_race_noise"]
 
 # Offsets draft positions so draft noise never reuses a target draw's key.
 DRAFT_NOISE_SALT = 1 << 30
 
 _U32 = 0xFFFFFFFF
-
-
-def _rotl(x: torch.Tensor, r: int) -> torch.Tensor:
-    return ((x << r) | (x >> (32 - r))) & _U32
-
-
-def _mix(h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    key = (key * 0xCC9E2D51) & _U32
-    key = _rotl(key, 15)
-    key = (key * 0x1B873593) & _U32
-    h = _rotl(h ^ key, 13)
-    return (h * 5 + 0xE6546B64) & _U32
-
-
-def _finalise(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _U32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _U32
-    return h ^ (h >> 16)
-
-
-def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniforms in (0, 1), ``[R, V]`` float64, a pure function of (seed, position, token).
-
-    Args:
-        seeds: ``[R]`` int64 per-request seeds (any 64-bit value).
-        positions: ``[R]`` int64 key positions (the position before the predicted token,
-            plus ``DRAFT_NOISE_SALT`` when drafting).
-        vocab_size: V, the number of tokens drawn over.
-    """
-    if seeds.shape != positions.shape or seeds.dim() != 1:
-        raise ValueError(
-            f"seeds and positions must both be [R]; got {tuple(seeds.shape)} and "
-            f"{tuple(positions.shape)}"
-        )
-    seeds = seeds.to(torch.int64)
-    positions = positions.to(torch.int64)
-    # Products of two values below 2**32 wrap in int64; masking keeps the exact low 32 bits.
-    h = torch.zeros_like(seeds)
-    h = _mix(h, seeds & _U32)
-    h = _mix(h, (seeds >> 32) & _U32)
-    h = _mix(h, positions & _U32)
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    h = _finalise(_mix(h[:, None], tokens[None, :]) ^ 16)
-    return (h.to(torch.float64) + 0.5) * 2.0**-32
+# MurmurHash3 (x86, 32-bit) constants.
+_C1, _C2, _M, _N = 0xCC9E2D51, 0x1B873593, 5, 0xE6546B64
+_F1, _F2 = 0x85EBCA6B, 0xC2B2AE35
+# Bytes hashed per key (four 32-bit words), folded in before the finaliser.
+_KEY_BYTES = 16
 
 
 def keyed_race_noise(
@@ -78,11 +41,217 @@ def keyed_race_noise(
     Slot k predicts position ``p + k + 1`` and its draw is keyed by ``(seed, p + k)`` plus
     ``DRAFT_NOISE_SALT`` (upstream's scheme); ``E = -log u`` turns the uniforms into the
     exponential race ``argmax(q / E)`` that the Markov sampler runs.
-    """
-    keys = anchor_positions.to(torch.int64) + DRAFT_NOISE_SALT
-    uniforms = [keyed_uniform(seeds, keys + k, vocab_size) for k in range(block_len)]
-    return (-torch.log(torch.stack(uniforms, dim=1))).to(torch.float32)
 
+    Args:
+        seeds: ``[R]`` int64 per-request seeds (any 64-bit value), on the positions' device.
+        anchor_positions: ``[R]`` int64 anchor positions p.
+        block_len: N, draft slots per request.
+        vocab_size: V, the number of tokens drawn over.
+    """
+    if seeds.shape != anchor_positions.shape or seeds.dim() != 1:
+        raise ValueError(
+            f"seeds and anchor_positions must both be [R]; got {tuple(seeds.shape)} and "
+            f"{tuple(anchor_positions.shape)}"
+        )
+    if seeds.device != anchor_positions.device:
+        raise ValueError(
+            f"seeds and anchor_positions must share a device; got {seeds.device} and "
+            f"{anchor_positions.device}"
+        )
+    if block_len < 1 or vocab_size < 1:
+        raise ValueError(f"block_len and vocab_size must be >= 1; got {block_len}, {vocab_size}")
+    rows = seeds.shape[0]
+    out = torch.empty((rows, block_len, vocab_size), dtype=torch.float32, device=seeds.device)
+    if rows == 0:
+        return out
+    seeds = seeds.to(torch.int64)
+    keys = anchor_positions.to(torch.int64) + DRAFT_NOISE_SALT
+    if seeds.device.type == "cuda":
+        _race_noise_triton(seeds, keys, out)
+    elif seeds.device.type == "cpu":
+        _race_noise_host()(seeds.numpy(), keys.numpy(), out.numpy())
+    else:
+        raise NotImplementedError(
+            f"keyed_race_noise runs on cpu or cuda, not on {seeds.device.type}"
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- host (Numba)
+
+_host_kernel = None
+_CHUNK = 1024  # tokens per inner block: its scratch stays in L1
+# -log u = -(e ln2 + ln m), u = 2**e m, m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(f) with
+# f = (m - 1) / (m + 1), |f| <= 0.1716: nine odd terms leave a relative error below 2**-46.
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # e * _LN2_HI exact
+_ATANH_TERMS = tuple(1.0 / (2 * j + 1) for j in range(1, 9))
+# A draw whose float32 rounding could differ within this relative distance is redone with
+# the float64 log (about 2 in 10**5 draws): every value equals RN32(-log u) of the float64 log.
+_ROUNDING_MARGIN = 2.0**-40
+
+
+def _race_noise_host():
+    """The Numba kernel, compiled on first use (Numba ships with vLLM; no C compiler)."""
+    global _host_kernel
+    if _host_kernel is None:
+        _host_kernel = _build_host_kernel()
+    return _host_kernel
+
+
+def _token_hash_intrinsic():
+    """``(h', token) -> finalised key`` in 32-bit lanes (Numba widens uint32 arithmetic to
+    64 bits, which AVX2 cannot multiply in vectors); ``h'`` is ``rotl(h, 13)`` of the row."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def token_hash(typingctx, row_state, token):
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+
+            def c(v):
+                return ir.Constant(i32, v - (1 << 32) if v >= 1 << 31 else v)
+
+            def rotl(x, r):
+                return builder.or_(builder.shl(x, c(r)), builder.lshr(x, c(32 - r)))
+
+            h, tok = args
+            k = rotl(builder.mul(rotl(builder.mul(tok, c(_C1)), 15), c(_C2)), 13)
+            x = builder.add(builder.mul(builder.xor(h, k), c(_M)), c(_N))
+            x = builder.xor(x, c(_KEY_BYTES))
+            for shift, mult in ((16, _F1), (13, _F2)):
+                x = builder.mul(builder.xor(x, builder.lshr(x, c(shift))), c(mult))
+            return builder.xor(x, builder.lshr(x, c(16)))
+
+        return types.uint32(types.uint32, types.uint32), codegen
+
+    return token_hash
+
+
+def _build_host_kernel():
+    import math
+
+    import numba
+    import numpy as np
+
+    token_hash = _token_hash_intrinsic()
+    inv = _ATANH_TERMS
+    sqrt2, margin = math.sqrt(2.0), _ROUNDING_MARGIN
+
+    @numba.njit(inline="always")
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & _U32
+
+    @numba.njit(inline="always")
+    def mix(h, key):
+        key = (rotl((key * _C1) & _U32, 15) * _C2) & _U32
+        return (rotl(h ^ key, 13) * _M + _N) & _U32
+
+    @numba.njit(inline="always")
+    def uniform(row_state, t):
+        # int32 -> float64 converts in vectors on AVX2, uint32 -> float64 does not.
+        x = np.int32(token_hash(row_state, np.uint32(t)) ^ np.uint32(0x80000000))
+        return (np.float64(x) + 2147483648.5) * 2.0**-32
+
+    @numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath={"contract"})
+    def kernel(seeds, keys, out):
+        rows, slots, vocab = out.shape
+        for i in numba.prange(rows * slots):
+            r, k = i // slots, i % slots
+            seed = seeds[r]  # int64: its two's complement halves, as the int64 formula
+            h = mix(0, seed & _U32)
+            h = mix(h, (seed >> 32) & _U32)
+            h = mix(h, (keys[r] + k) & _U32)
+            row_state = np.uint32(rotl(h, 13))  # mix(h, t) = (rotl(h,13) ^ rotl(K(t),13))*5+n
+            dst = out[r, k]
+            mant = np.empty(_CHUNK, np.float64)
+            mant_bits = mant.view(np.int64)
+            expo = np.empty(_CHUNK, np.float64)
+            expo_bits = expo.view(np.int64)
+            for t0 in range(0, vocab, _CHUNK):
+                n = min(_CHUNK, vocab - t0)
+                for j in range(n):
+                    mant[j] = uniform(row_state, t0 + j)
+                for j in range(n):  # u = 2**e m: e as a float64 via its bits, m in [1, 2)
+                    b = mant_bits[j]
+                    expo_bits[j] = (b >> 52) | 0x4330000000000000
+                    mant_bits[j] = (b & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000
+                unsure = 0
+                for j in range(n):
+                    m = mant[j]
+                    e = expo[j] - (2.0**52 + 1023.0)
+                    big = m > sqrt2
+                    m = m * 0.5 if big else m
+                    e = e + 1.0 if big else e
+                    f = (m - 1.0) / (m + 1.0)
+                    s = f * f
+                    p = inv[7]
+                    for q in (6, 5, 4, 3, 2, 1, 0):
+                        p = p * s + inv[q]
+                    y = -(e * _LN2_HI + (e * _LN2_LO + (2.0 * f + 2.0 * f * (s * p))))
+                    dst[t0 + j] = np.float32(y)
+                    unsure += np.float32(y * (1.0 - margin)) != np.float32(y * (1.0 + margin))
+                if unsure:
+                    for j in range(n):
+                        y = -math.log(uniform(row_state, t0 + j))
+                        if np.float32(y * (1.0 - margin)) != np.float32(y * (1.0 + margin)):
+                            dst[t0 + j] = np.float32(y)
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------- CUDA (Triton)
+
+_cuda_kernel = None
+_BLOCK_V = 1024
+
+
+def _race_noise_triton(seeds: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> None:
+    """One program per (row, slot, 1024 tokens); no host read, capturable in a CUDA graph."""
+    global _cuda_kernel
+    if _cuda_kernel is None:
+        _cuda_kernel = _build_triton_kernel()
+    rows, slots, vocab = out.shape
+    grid = (rows * slots, (vocab + _BLOCK_V - 1) // _BLOCK_V)
+    _cuda_kernel[grid](seeds, keys, out, slots, vocab, BLOCK_V=_BLOCK_V)
+
+
+def _build_triton_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rotl(x, r: tl.constexpr):
+        return (x << r) | (x >> (32 - r))
+
+    @triton.jit
+    def mix(h, key):
+        key = rotl(key * 0xCC9E2D51, 15) * 0x1B873593
+        return rotl(h ^ key, 13) * 5 + 0xE6546B64
+
+    @triton.jit
+    def kernel(seeds_ptr, keys_ptr, out_ptr, slots, vocab, BLOCK_V: tl.constexpr):
+        row_slot = tl.program_id(0)
+        r = row_slot // slots
+        k = row_slot % slots
+        seed = tl.load(seeds_ptr + r)
+        h = mix(tl.zeros((), tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
+        h = mix(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        h = mix(h, ((tl.load(keys_ptr + r) + k) & 0xFFFFFFFF).to(tl.uint32))
+        tokens = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        x = mix(h, tokens.to(tl.uint32)) ^ 16
+        x ^= x >> 16
+        x *= 0x85EBCA6B
+        x ^= x >> 13
+        x *= 0xC2B2AE35
+        x ^= x >> 16
+        u = (x.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2**-32
+        e = -tl.log(u)
+        base = out_ptr + row_slot.to(tl.int64) * vocab
+        tl.store(base + tokens, e.to(tl.float32), mask=tokens < vocab)
+
+    return kernel
 
 class RequestSeeds:
     """Each live request's sampling seed: its own ``seed=`` or one drawn when first seen."""
