@@ -1,21 +1,37 @@
 """The READMEs are playbooks: every make target, script, module and path they name exists.
 
 A user copies commands from README.md as written, so a renamed script or a dropped make target
-must fail here rather than on their machine. README.md also stays short, with the two-Spark
-path near the top, and links only inside the repository.
+must fail here rather than on their machine: make targets and variables, modules, paths, the
+profile keys and compose services the commands name. README.md also stays short, with the
+two-Spark path near the top, and links only inside the repository or to the official pages of
+the model, NVIDIA's DGX Spark and vLLM.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
+
+from scripts import recipe
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [
     d for d in ("README.md", "overlay/README.md", "scripts/bench/README.md") if (REPO / d).is_file()
-]
+] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
+# The public official pages a document may link to: (host, path prefix).
+OFFICIAL = {
+    ("huggingface.co", "/deepseek-ai/"),  # the model card
+    ("docs.nvidia.com", "/dgx/dgx-spark"),  # NVIDIA's DGX Spark user guide
+    ("build.nvidia.com", "/spark/"),  # NVIDIA's DGX Spark playbooks
+    ("docs.vllm.ai", "/"),
+}
+PROFILE_KEY = re.compile(r"(?<![\w./])((?:model|parallel|serving|speculative|demo)\.[a-z_]+)(?![\w.])")
+MAKE_VAR = re.compile(r"(?:^|\s)make\s+(?:[a-z][a-z-]*\s+)?((?:[A-Z_]+=\S*(?:[ \t]+|$))+)", re.M)
+COMPOSE_SERVICE = re.compile(r"--profile\s+(\w+)\s+(?:up|down)(?:\s+-d)?((?:\s+[a-z]+)*)")
 MAX_README_LINES = 300
 SPARK_SECTION_WITHIN = 100
 
@@ -25,7 +41,7 @@ MAKE = re.compile(r"(?:^|[\s;&|(])make\s+(?:[A-Z_]+=\S*\s+)*([a-z][a-z-]*)")
 MODULE = re.compile(r"python\s+-m\s+(scripts(?:\.\w+)+)")
 # A repository path: starts at a top-level folder the product card names; docker/.env is the
 # file the user writes, not one the repository ships.
-REPO_PATH = re.compile(r"(?<![\w./$-])((?:scripts|overlay|recipe|tests|docker)/[\w.*/-]*)")
+REPO_PATH = re.compile(r"(?<![\w./$-])((?:scripts|overlay|recipe|tests|docker|examples|docs)/[\w.*/-]*)")
 USER_FILES = {"docker/.env"}
 TEST_FILE = re.compile(r"^test_\w+\.py$")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -134,15 +150,25 @@ def test_links_stay_inside_the_repository(doc):
     text = read(doc)
     problems = []
     for target in LINK.findall(text):
-        if "://" in target or target.startswith("mailto:"):
+        if "://" in target:
+            url = urlsplit(target)
+            if url.scheme != "https" or not any(
+                url.hostname == host and url.path.startswith(prefix) for host, prefix in OFFICIAL
+            ):
+                problems.append(f"{target}: outside the repository, not an official page")
+        elif target.startswith("mailto:"):
             problems.append(f"{target}: outside the repository")
-        elif "../" in target:
-            problems.append(f"{target}: climbs out of its folder")
+        elif not ((REPO / doc).parent / target.split("#")[0]).resolve().is_relative_to(REPO):
+            problems.append(f"{target}: climbs out of the repository")
         elif target.startswith("#"):
             if target[1:] not in anchors(text):
                 problems.append(f"{target}: no such heading")
         elif not ((REPO / doc).parent / target.split("#")[0]).exists():
             problems.append(f"{target}: no such file")
+        elif "#" in target:
+            linked = (REPO / doc).parent / target.split("#")[0]
+            if linked.suffix == ".md" and target.split("#")[1] not in anchors(linked.read_text()):
+                problems.append(f"{target}: no such heading")
     assert not problems, f"{doc}: " + "; ".join(problems)
 
 
@@ -150,3 +176,45 @@ def test_links_stay_inside_the_repository(doc):
 def test_no_reference_to_issues(doc):
     found = ISSUE_REF.findall(read(doc))
     assert not found, f"{doc} refers to issues: {found}"
+
+
+def _schema_keys(schema: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, spec in schema.items():
+        keys.add(prefix + key)
+        if isinstance(spec, dict):
+            keys |= _schema_keys(spec, f"{prefix}{key}.")
+    return keys
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_profile_key_named_exists(doc):
+    """`serving.extra_args`, `model.revision`, ...: keys of the profile schema."""
+    named = {k for span in code_spans(read(doc)) for k in PROFILE_KEY.findall(span)}
+    missing = sorted(named - _schema_keys(recipe.SCHEMA))
+    assert not missing, f"{doc} names profile keys the schema lacks: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_make_variable_named_is_the_makefiles(doc):
+    """`make image DOWNLOAD_KERNELS=0`: a variable the Makefile reads, not a silent no-op."""
+    text = (REPO / "Makefile").read_text()
+    named = {v.split("=")[0] for span in code_spans(read(doc)) for group in MAKE_VAR.findall(span)
+             for v in group.split()}
+    missing = sorted(v for v in named if f"$({v})" not in text and v not in ("PYTHON",))
+    assert not missing, f"{doc} passes make variables the Makefile never reads: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_compose_profile_and_service_named_exists(doc):
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())["services"]
+    texts = code_spans(read(doc)) + [(REPO / "Makefile").read_text()]
+    problems = []
+    for span in texts:
+        for profile, services in COMPOSE_SERVICE.findall(span):
+            in_profile = {n for n, svc in compose.items() if profile in svc.get("profiles", [])}
+            if not in_profile:
+                problems.append(f"--profile {profile}: no service has it")
+            problems += [f"{s}: not a service of --profile {profile}" for s in services.split()
+                         if s not in in_profile]
+    assert not problems, f"{doc}: {problems}"
