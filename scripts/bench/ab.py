@@ -83,6 +83,33 @@ def ratio_table(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def stated_temperature(temperature: float | None, profile: dict[str, Any]) -> str:
+    """The requests' sampling temperature in words: ``--temperature``, else the server's
+    default, which vLLM takes from the model's generation_config.json (1.0 without one)."""
+    if temperature is not None:
+        return f"{temperature:g} (--temperature)"
+    extra = " ".join(map(str, profile["serving"].get("extra_args") or []))
+    if "generation-config" in extra:
+        return "the server's default, as serving.extra_args sets it"
+    path = Path(recipe.model_ref(profile)) / "generation_config.json"
+    if not path.is_file():
+        return "the server's default (the model's generation_config.json is not local)"
+    value = json.loads(path.read_text()).get("temperature")
+    return f"{1.0 if value is None else value:g} (the server's default: {path.name})"
+
+
+def acceptance_lines(ab: dict[str, Any]) -> list[str]:
+    """Acceptance length per content type of each side that speculates."""
+    lines = []
+    for side in (ab["a"], ab["b"]):
+        per_content = report.content_acceptance(side["result"]["levels"])
+        if per_content:
+            cells = ", ".join(f"{kind} {acc['mean_acceptance_length']:.2f}"
+                              for kind, acc in per_content.items())
+            lines.append(f"- acceptance length of {side['name']}: {cells}")
+    return lines
+
+
 def ab_markdown(ab: dict[str, Any]) -> str:
     a, b = ab["a"], ab["b"]
     p = a["result"]["provenance"]
@@ -90,6 +117,8 @@ def ab_markdown(ab: dict[str, Any]) -> str:
         f"## A/B: `{b['name']}` / `{a['name']}`, profile `{ab['profile']}`", "",
         *(f"- {side} = {s['name']}: {s['overrides'] or 'the profile as is'}"
           for side, s in (("A", a), ("B", b))),
+        f"- temperature: {ab.get('temperature', 'not recorded')}",
+        *acceptance_lines(ab),
         f"- run one after the other, {p['created_utc']}, commit {p['commit']}"
         f"{' (dirty)' if p['dirty'] else ''}, client machine {p['gpu'] or p['cpu']}, "
         f"vLLM {p['vllm_server'] or p['vllm_client']}", "",
@@ -180,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = recipe.load_profile(args.profile)
         check_args(args, profile)
         variants = [(text, *parse_variant(text, profile)) for text in (args.a, args.b)]
+        print(f"[ab] temperature: {stated_temperature(args.temperature, profile)}",
+              file=sys.stderr, flush=True)
         stem = default_stem(args, "ab")
         sides = [{"name": name, "overrides": text.partition(":")[2],
                   "result": run_variant(args, name, prof, stem)} for text, name, prof in variants]
@@ -188,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for side in sides:
         write_outputs(side["result"], stem.with_name(f"{stem.name}-{side['name']}"))
-    ab = {"kind": "dspark-serving-ab", "profile": args.profile, "a": sides[0], "b": sides[1],
+    ab = {"kind": "dspark-serving-ab", "profile": args.profile,
+          "temperature": stated_temperature(args.temperature, profile),
+          "a": sides[0], "b": sides[1],
           "ratios": ratio_table(sides[0]["result"], sides[1]["result"])}
     stem.with_suffix(".json").write_text(json.dumps(ab, indent=2) + "\n", encoding="utf-8")
     stem.with_suffix(".md").write_text(ab_markdown(ab), encoding="utf-8")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.tiny.make_tiny_model import write_generation_config
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
 
@@ -39,6 +41,8 @@ def ensure_tiny_model(
             print(f"{announce}generating the tiny DeepSeek-V4-DSpark checkpoint: {path}", flush=True)
         extra = [] if compress_ratios is None else ["--compress-ratios", compress_ratios]
         run_tool("make_tiny_model", "--dspark", "--quiet", "--force", "--out", str(path), *extra)
+    elif write_generation_config(path) and announce is not None:  # made before the default
+        print(f"{announce}set the tiny checkpoint's default sampling: {path}", flush=True)
     if train:
         run_tool("train_tiny_draft", "--model", str(path), *(["--quiet"] if quiet else []))
     return path

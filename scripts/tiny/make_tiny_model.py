@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--num-heads", type=int, default=4, help="attention heads (even)")
+    p.add_argument(
+        "--o-groups",
+        type=int,
+        default=2,
+        help="o_groups (output projection groups); vLLM splits them over the TP ranks, so "
+        "TP=4 needs 4",
+    )
     p.add_argument("--experts", type=int, default=64, choices=CPU_EXPERT_COUNTS)
     p.add_argument("--topk", type=int, default=6, choices=CPU_TOPK)
     p.add_argument("--moe-intermediate-size", type=int, default=128)
@@ -191,6 +198,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--hidden-size must be a positive multiple of 64, got {args.hidden_size}")
     if args.num_heads < 2 or args.num_heads % 2:
         raise ValueError(f"--num-heads must be even and >= 2, got {args.num_heads}")
+    if args.o_groups < 1 or args.num_heads % args.o_groups:
+        raise ValueError(
+            f"--o-groups must divide --num-heads={args.num_heads}, got {args.o_groups}"
+        )
     if args.vocab_size < 512:
         raise ValueError(f"--vocab-size must be >= 512, got {args.vocab_size}")
     if not 0 <= args.num_hash_layers <= args.layers:
@@ -243,7 +254,7 @@ def build_config(args: argparse.Namespace, vocab_size: int) -> dict:
         "qk_rope_head_dim": ROPE_DIM,
         "q_lora_rank": H // 2,
         "o_lora_rank": H // 2,
-        "o_groups": 2,
+        "o_groups": args.o_groups,
         "sliding_window": 128,
         "compress_ratios": list(args.ratios),
         "compress_rope_theta": 160000.0,
@@ -542,15 +553,32 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
+# The default the checkpoint is served with: greedy. vLLM takes a server's default sampling
+# parameters from `temperature` (it never reads `do_sample`); the draft is trained on the
+# target's greedy continuations, and the random target's sampled distributions are nearly flat.
+GENERATION_CONFIG = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False,
+                     "temperature": 0.0}
+
+
+def write_generation_config(folder: Path) -> bool:
+    """Write ``GENERATION_CONFIG`` to ``folder/generation_config.json`` unless it is there
+    already; True when written (through a temp file: never a half-written file)."""
+    path = folder / "generation_config.json"
+    text = json.dumps(GENERATION_CONFIG, indent=2) + "\n"
+    if path.exists() and path.read_text() == text:
+        return False
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True
+
+
 def _write_checkpoint(folder: Path, cfg: dict, tensors: dict, log) -> None:
     """config, generation config and safetensors of one checkpoint (tokenizer: the caller)."""
     from safetensors.torch import save_file
 
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (folder / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2)
-        + "\n"
-    )
+    write_generation_config(folder)
     n_params = sum(t.numel() for t in tensors.values())
     log(
         f"      {folder.name.split('.tmp-')[0].lstrip('.')}/model.safetensors "
