@@ -8,12 +8,18 @@ float32). Equal means bit for bit: a seeded request must draft what it drafted b
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.overlay import load_overlay_module
+from tests.support.paths import REPO
 
 noise = load_overlay_module("vllm/models/deepseek_v4/common/dspark/noise.py")
 
@@ -137,3 +143,35 @@ def test_no_rows_give_an_empty_block():
 def test_bad_input_is_named(args, message):
     with pytest.raises(ValueError, match=message):
         noise.keyed_race_noise(*args)
+
+
+# ------------------------------------------------- the CUDA kernel, run by Triton's interpreter
+
+ORACLE_DIR = Path(os.environ.get("TRITON_ORACLE_DIR", REPO / ".cache/triton-oracle"))
+TRITON_CHILD = """
+import json, sys, torch
+from tests.support.overlay import load_overlay_module
+noise = load_overlay_module("vllm/models/deepseek_v4/common/dspark/noise.py")
+seeds, pos, n, vocab = json.loads(sys.argv[1])
+seeds, pos = torch.tensor(seeds), torch.tensor(pos)
+out = torch.empty(len(seeds), n, vocab)
+noise._race_noise_triton(seeds, pos + noise.DRAFT_NOISE_SALT, out)
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_triton_kernel_equals_the_formula_under_the_interpreter(tmp_path):
+    """The CUDA path's kernel, run by stock Triton's interpreter on the host (no GPU here):
+    32-bit lanes, the row / slot / vocabulary-block grid, the mask of the last block."""
+    if not (ORACLE_DIR / "triton").is_dir():
+        pytest.skip(f"stock Triton not installed in {ORACLE_DIR} (make test installs it)")
+    seeds = [0, -1, 2**63 - 1, -(2**63), 12345]
+    pos = [0, 2**32 - SALT - 1, 7, 2**40 + 3, 131071]
+    n, vocab = 3, 2500  # not a multiple of the 1024-token block
+    out = tmp_path / "out.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ORACLE_DIR), str(REPO)])}
+    subprocess.run([sys.executable, "-c", TRITON_CHILD, json.dumps([seeds, pos, n, vocab]),
+                    str(out)], cwd=REPO, env=env, check=True, timeout=600)
+    want = oracle_race_noise(torch.tensor(seeds), torch.tensor(pos), n, vocab)
+    assert torch.equal(torch.load(out), want)

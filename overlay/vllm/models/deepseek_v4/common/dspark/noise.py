@@ -9,9 +9,11 @@ Requests without a seed get a random one when first seen (as upstream's sampler 
 
 The key is a 32-bit MurmurHash3-style mix of (seed low, seed high, position, token) and the
 draw is ``E = -log((h + 0.5) / 2**32)`` evaluated in float64, rounded to float32. The whole
-``[R, N, V]`` block is written in one pass: a Numba loop on the host (no temporaries, 32-bit
-lanes), a Triton kernel on CUDA (keys and logs in registers). The per-row part of the mix
-(seed and position) is done once per row; only the token's part runs per element.
+``[R, N, V]`` block is written in one pass: a Numba loop on the host (32-bit hash lanes, a
+vectorised log that redoes the rare draws near a float32 tie with the float64 log, so every
+value equals the float64 formula's; compiled on a process's first sampled draft step), a
+Triton kernel on CUDA (keys and logs in registers; run here only by Triton's interpreter).
+The per-row part of the mix (seed and position) is done once per row.
 """
 
 from __future__ import annotations
@@ -203,55 +205,56 @@ def _build_host_kernel():
 
 # ---------------------------------------------------------------------------- CUDA (Triton)
 
-_cuda_kernel = None
+try:  # CUDA builds of vLLM ship Triton; the CPU build has none and never takes this path
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 _BLOCK_V = 1024
 
 
 def _race_noise_triton(seeds: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> None:
     """One program per (row, slot, 1024 tokens); no host read, capturable in a CUDA graph."""
-    global _cuda_kernel
-    if _cuda_kernel is None:
-        _cuda_kernel = _build_triton_kernel()
+    if triton is None:
+        raise RuntimeError("keyed_race_noise on CUDA needs Triton, which is not installed")
     rows, slots, vocab = out.shape
-    grid = (rows * slots, (vocab + _BLOCK_V - 1) // _BLOCK_V)
-    _cuda_kernel[grid](seeds, keys, out, slots, vocab, BLOCK_V=_BLOCK_V)
+    grid = (rows * slots, triton.cdiv(vocab, _BLOCK_V))
+    _race_noise_kernel[grid](seeds, keys, out, slots, vocab, BLOCK_V=_BLOCK_V)
 
 
-def _build_triton_kernel():
-    import triton
-    import triton.language as tl
+if triton is not None:
+    # Triton resolves a kernel's callees among its module's globals: these stay top level.
 
     @triton.jit
-    def rotl(x, r: tl.constexpr):
+    def _tl_rotl(x, r: tl.constexpr):
         return (x << r) | (x >> (32 - r))
 
     @triton.jit
-    def mix(h, key):
-        key = rotl(key * 0xCC9E2D51, 15) * 0x1B873593
-        return rotl(h ^ key, 13) * 5 + 0xE6546B64
+    def _tl_mix(h, key):
+        key = _tl_rotl(key * 0xCC9E2D51, 15) * 0x1B873593
+        return _tl_rotl(h ^ key, 13) * 5 + 0xE6546B64
 
     @triton.jit
-    def kernel(seeds_ptr, keys_ptr, out_ptr, slots, vocab, BLOCK_V: tl.constexpr):
+    def _race_noise_kernel(seeds_ptr, keys_ptr, out_ptr, slots, vocab, BLOCK_V: tl.constexpr):
         row_slot = tl.program_id(0)
         r = row_slot // slots
         k = row_slot % slots
         seed = tl.load(seeds_ptr + r)
-        h = mix(tl.zeros((), tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
-        h = mix(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        h = mix(h, ((tl.load(keys_ptr + r) + k) & 0xFFFFFFFF).to(tl.uint32))
+        h = _tl_mix(tl.zeros((), tl.uint32), (seed & 0xFFFFFFFF).to(tl.uint32))
+        h = _tl_mix(h, ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        h = _tl_mix(h, ((tl.load(keys_ptr + r) + k) & 0xFFFFFFFF).to(tl.uint32))
         tokens = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        x = mix(h, tokens.to(tl.uint32)) ^ 16
+        x = _tl_mix(h, tokens.to(tl.uint32)) ^ 16
         x ^= x >> 16
         x *= 0x85EBCA6B
         x ^= x >> 13
         x *= 0xC2B2AE35
         x ^= x >> 16
         u = (x.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2**-32
-        e = -tl.log(u)
         base = out_ptr + row_slot.to(tl.int64) * vocab
-        tl.store(base + tokens, e.to(tl.float32), mask=tokens < vocab)
+        tl.store(base + tokens, (-tl.log(u)).to(tl.float32), mask=tokens < vocab)
 
-    return kernel
 
 class RequestSeeds:
     """Each live request's sampling seed: its own ``seed=`` or one drawn when first seen."""
