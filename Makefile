@@ -94,14 +94,14 @@ bench: setup ## micro-benchmarks; if a server answers on the profile port, the s
 ab: setup ## the serving sweep against two server configurations started one after the other; one ratio table
 	$(VLLM_CPU_ENV) $(PY) -m scripts.bench.ab --profile $(PROFILE) $(AB_ARGS) $(BENCH_ARGS)
 
-lint: setup ## ruff, hadolint, shellcheck
-	$(PY) -m ruff check scripts tests overlay
-	$(VENV)/bin/hadolint docker/Dockerfile
 .PHONY: rebase-check
 rebase-check: setup ## VERSION=X: each overlay entry against vLLM X's sources (unchanged / patch applies / fails / now upstream), and whether vllm-cpu X exists
 	@[ -n "$(VERSION)" ] || { echo "usage: make rebase-check VERSION=0.33.0" >&2; exit 2; }
 	$(PY) -m scripts.rebase_check --version "$(VERSION)"
 
+lint: setup ## ruff, hadolint, shellcheck
+	$(PY) -m ruff check scripts tests overlay
+	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/node/head_link.sh scripts/apply_overlay.sh scripts/setup/find_python.sh docker/entrypoint.sh
 
 apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (linked; OVERLAY_MODE= copies)
