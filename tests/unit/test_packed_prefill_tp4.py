@@ -1,0 +1,151 @@
+"""Packed prefill split over four TP ranks (the spark-4x row split), against TP=1.
+
+Four real torch.distributed ranks (gloo on 127.0.0.1, spawned once for the module) ingest
+chunks of every size class modulo 4: no pad row (N = 4k), three, two and one pad rows, and
+a chunk smaller than the ranks (N = 1: ranks 1..3 hold pads only), with requests straddling
+rank boundaries and rejected verify tails. Every rank's rings must equal the per-request
+reference store bit for bit, the gathered rows must equal TP=1's, pad rows must be exactly
+zero, and each rank must have projected only its own L = ceil(N / 4) rows. Scenarios, the
+projection and the reference come from the TP=2 tests' module (``test_packed_prefill.py``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.net import free_port
+from tests.unit.test_packed_prefill import (
+    assert_rings_equal,
+    build_scenario,
+    pp,
+    random_qsl,
+    reference_ring,
+    run_ingest,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+TP = 4
+SHARED = ["straddle", "random_bf16", "single_token", "rejected", "full_chunk"]  # N % 4: 3 1 1 1 3
+OWN = ["aligned", "two_pads"]  # N % 4: 0 and 2
+SCENARIOS = SHARED + OWN
+
+
+def scenario(name: str) -> dict:
+    """The TP=2 module's scenarios, and two sizes it lacks (0 and 2 modulo 4)."""
+    if name in SHARED:
+        return build_scenario(name)
+    sc = build_scenario("rejected")  # the shape of a scenario, refilled below
+    rng = random.Random(len(name))
+    gen = torch.Generator().manual_seed(len(name))
+    num = 64 if name == "aligned" else 4 * 37 + 2
+    qsl = random_qsl(rng, 6, num)
+    starts = [rng.randrange(0, 300) for _ in range(6)]
+    positions = torch.cat([torch.arange(s, s + qsl[r + 1] - qsl[r]) for r, s in enumerate(starts)])
+    dim, layers = sc["dim"], sc["layers"]
+    sc.update(
+        qsl=qsl,
+        positions=positions,
+        features=torch.randn(num, 2 * dim, generator=gen),
+        slots=rng.sample(range(8), 6),
+        num_slots=8,
+        rejected=[0, 1, 0, 2, 1, 0] if name == "two_pads" else None,
+        ring=(torch.randn(9, sc["window"], layers * dim, generator=gen),
+              torch.randint(0, 50, (9, sc["window"]), generator=gen)),
+    )
+    return sc
+
+
+def _rank(rank: int, port: int, out_dir: str) -> None:
+    """One of the four ranks: ingest every scenario at TP=4, save what it stored."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if os.path.isdir("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=TP, timeout=datetime.timedelta(seconds=90))
+        results = {}
+        for name in SCENARIOS:
+            full, ring, calls = run_ingest(scenario(name), TP, rank, dist.group.WORLD)
+            results[name] = {"full": full, "ring": ring, "calls": calls}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory):
+    ctx = multiprocessing.get_context("spawn")
+    for attempt in range(2):  # a second try if another test grabbed the port
+        out = tmp_path_factory.mktemp(f"tp4_{attempt}")
+        port = free_port()
+        procs = [ctx.Process(target=_rank, args=(r, port, str(out)), daemon=True)
+                 for r in range(TP)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=200)
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join(5)
+        errors = "\n".join(f.read_text() for f in sorted(out.glob("*.err")))
+        if not hung and all(p.exitcode == 0 for p in procs):
+            return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
+        if "ddress already in use" not in errors or attempt:
+            pytest.fail(f"TP=4 ranks failed (hung={len(hung)}):\n{errors}")
+    raise AssertionError("unreachable")
+
+
+def test_own_scenarios_cover_the_missing_residues():
+    sizes = {name: scenario(name)["qsl"][-1] for name in SCENARIOS}
+    assert {n % TP for n in sizes.values()} == {0, 1, 2, 3}
+    assert min(sizes.values()) < TP  # some ranks hold pads only
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_tp4_matches_tp1_and_the_reference_with_zero_pads(tp4, name):
+    sc = scenario(name)
+    want = reference_ring(sc)
+    tp1_full, tp1_ring, _ = run_ingest(sc, 1, 0, None)
+    assert_rings_equal(tp1_ring, want, f"{name} TP=1")
+    n = sc["qsl"][-1]
+    rows = -(-n // TP)  # L, by hand: ceil(N / 4)
+    padded = rows * TP
+    real_rows = []
+    for rank, res in enumerate(tp4):
+        got = res[name]
+        assert_rings_equal(got["ring"], want, f"{name} TP=4 rank {rank}")
+        full = got["full"]
+        assert full.shape == (padded, sc["layers"] * sc["dim"])
+        assert torch.equal(full[:n], tp1_full), f"{name}: gathered rows differ from TP=1"
+        assert not full[n:].any(), f"{name}: pad rows are not exactly zero"
+        ((x, pos),) = got["calls"]  # one projection, of this rank's L rows only
+        assert x.shape[0] == rows and pos.shape == (rows,)
+        first = rank * rows
+        real = max(0, min(n - first, rows))
+        real_rows.append(real)
+        assert torch.equal(x[:real], sc["features"][first : first + real].to(x.dtype))
+        assert torch.equal(pos[:real], sc["positions"][first : first + real])
+        if real < rows:  # pads: zero input, positions continuing after the largest live one
+            assert not x[real:].any(), f"{name} rank {rank}: pad input rows are not zero"
+            top = sc["positions"].max().item()
+            want_pos = [top + 1 + i for i in range(first + real - n, first + rows - n)]
+            assert pos[real:].tolist() == want_pos, (name, rank)
+    assert sum(real_rows) == n and real_rows == sorted(real_rows, reverse=True)
+    assert pp.plan_packed_prefill(n, TP).num_pad_rows == padded - n
