@@ -7,7 +7,15 @@ rows pick once, and each request's KV. A DSpark step's verify rows may all pick 
 experts or each their own: bytes `low` (rows of a request share experts) .. `high` (every row
 routes independently). Sizes and dtypes (FP8 block-scaled linears, MXFP4 experts when
 expert_dtype is fp4, bf16 head, gates, compressors) come from config.json; TP, k and the KV
-dtype from the recipe profile.
+dtype from the recipe profile; `--tp N` asks what N GB10s would read (TP=4: four Sparks).
+
+At TP=N the bytes a GPU reads per step do not fall to 1/N: attention's compressed-KV and
+indexer projections, the gates, the mHC mixes and the KV itself are replicated. What TP adds
+is the fabric: every target and draft layer ends in two all-reduces (attention output, MoE
+output), the embedding in one, and the head's vocab-parallel logits are all-gathered. The
+`limit` lines charge each collective a latency plus its ring traffic at the fabric's
+bandwidth, as NCCL's ring does: 2 (N-1)/N of the message per GPU for an all-reduce, (N-1)/N
+of the gathered logits for an all-gather.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any
 from scripts import recipe
 
 GB10_GBS = 273.0  # DGX Spark (GB10) LPDDR5x
+FABRIC_GBS = 25.0  # one 200 Gb/s RoCE port per GB10 (ConnectX-7)
+ALLREDUCE_US = 20.0  # assumed latency of one small collective over RoCE (not measured)
 BF16, F32 = 2.0, 4.0
 FP8_BLOCK = 1.0 + 1.0 / (128 * 128)  # e4m3 + one e8m0 scale per 128x128 block
 MXFP4 = 0.5 + 1.0 / 32  # e2m1 pairs + one e8m0 scale per 32
@@ -62,6 +72,9 @@ class Model:
     markov: float  # Markov head W2, read once per drafted token
     k: int
     tp: int
+    replicated: float = 0.0  # of `dense`, what every GPU reads whatever the TP
+    hidden: int = 0
+    vocab: int = 0
 
 
 def load_config(profile: dict[str, Any], config_path: Path | None) -> tuple[dict, str]:
@@ -109,6 +122,7 @@ def build(config: dict, profile: dict) -> Model:
     head = V * H * BF16 / tp
     hc_head = c["hc_mult"] * c["hc_mult"] * H * F32
     dense = sum(_layer(c, lin, r, tp) for r in ratios) + head + hc_head
+    replicated = sum(_layer(c, lin, r, float("inf")) for r in ratios) + hc_head
     draft_layers = c.get("n_mtp_layers", 3)
     taps = len(c.get("dspark_target_layer_ids", [])) or 3
     spec = profile["speculative"]
@@ -124,7 +138,8 @@ def build(config: dict, profile: dict) -> Model:
         if dspark else 0.0,
         draft_layers=draft_layers if dspark else 0, draft_kv=draft_layers * c["head_dim"] * BF16,
         markov=V * c.get("dspark_markov_rank", 0) * BF16 if dspark else 0.0,
-        k=spec["num_speculative_tokens"] if dspark else 0, tp=tp,
+        k=spec["num_speculative_tokens"] if dspark else 0, tp=tp, replicated=replicated,
+        hidden=H, vocab=V,
     )  # fmt: skip
 
 
@@ -177,6 +192,56 @@ def predict(m: Model, bandwidth_gbs: float, concurrency: int, context: int,
     return out
 
 
+def fabric_seconds(m: Model, concurrency: int, speculative: bool, fabric_gbs: float,
+                   latency_us: float) -> float:
+    """Time one step spends in TP collectives (0 at TP=1): per layer two bf16 all-reduces of
+    the step's rows x hidden, one for the embedding, and the all-gather of the head's logits;
+    the draft's block adds the same over its layers and k rows per request."""
+    if m.tp == 1:
+        return 0.0
+    ring, share = 2 * (m.tp - 1) / m.tp, (m.tp - 1) / m.tp
+    passes = [(len(m.layers), concurrency * (m.k + 1 if speculative and m.k else 1))]
+    if speculative and m.k:
+        passes.append((m.draft_layers, concurrency * m.k))
+    seconds = 0.0
+    for layers, rows in passes:
+        reduces = 2 * layers + 1
+        sent = reduces * ring * rows * m.hidden * BF16 + share * rows * m.vocab * BF16
+        seconds += (reduces + 1) * latency_us * 1e-6 + sent / (fabric_gbs * 1e9)
+    return seconds
+
+
+def limit(m: Model, bandwidth_gbs: float, fabric_gbs: float, latency_us: float,
+          concurrency: int, context: int, acceptance_length: float) -> dict[str, float]:
+    """tok/s when a step costs its bytes at the memory bandwidth plus its collectives on the
+    fabric (`decode`, and DSpark's `low`..`high` as in `predict`)."""
+    bw = bandwidth_gbs * 1e9
+    comm = {s: fabric_seconds(m, concurrency, s, fabric_gbs, latency_us) for s in (False, True)}
+    decode = step_bytes(m, concurrency, context, speculative=False)[0] / bw + comm[False]
+    out = {"decode_tok_s": concurrency / decode, "fabric_ms": comm[True] * 1e3}
+    if m.k:
+        low, high = step_bytes(m, concurrency, context, speculative=True)
+        out["tok_s_low"] = concurrency * acceptance_length / (high / bw + comm[True])
+        out["tok_s_high"] = concurrency * acceptance_length / (low / bw + comm[True])
+    return out
+
+
+def limit_lines(m: Model, bandwidth_gbs: float, fabric_gbs: float, latency_us: float,
+                context: int, acceptance: list[float]) -> str:
+    """The c=1 limit at this TP for each acceptance length (the first two: prose, code)."""
+    names = ["prose", "code"] + [f"accept {t:g}" for t in acceptance[2:]]
+    lines = [f"TP={m.tp}: per GPU per step {m.dense / 1e9:.2f} GB of target weights, "
+             f"{m.replicated / 1e9:.2f} GB of it replicated (TP does not divide it); "
+             f"collectives at {fabric_gbs:g} GB/s and {latency_us:g} us each"]
+    for name, tau in zip(names, acceptance, strict=False):
+        p = limit(m, bandwidth_gbs, fabric_gbs, latency_us, 1, context, tau)
+        spec = (f", DSpark {p['tok_s_low']:.1f} .. {p['tok_s_high']:.1f} tok/s "
+                f"({p['fabric_ms']:.2f} ms of collectives per step)") if m.k else ""
+        lines.append(f"limit TP={m.tp} c=1 {name} (accept len {tau:.2f}): "
+                     f"decode {p['decode_tok_s']:.1f} tok/s{spec}")
+    return "\n".join(lines) + "\n"
+
+
 def table(m: Model, bandwidth_gbs: float, concurrency: list[int], context: int,
           acceptance: list[float]) -> str:
     lines = ["| C | accept len | decode GB/step | decode tok/s | DSpark GB/step | DSpark tok/s "
@@ -207,11 +272,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="tokens in each request's KV")
     ap.add_argument("--bandwidth-gbs", type=float, default=GB10_GBS,
                     help="memory bandwidth per GPU, GB/s (default: GB10, %(default)s)")
+    ap.add_argument("--tp", type=int, choices=(1, 2, 4, 8),
+                    help="tensor-parallel GPUs, one per Spark (default: the profile's)")
+    ap.add_argument("--fabric-gbs", type=float, default=FABRIC_GBS,
+                    help="fabric bandwidth per GPU for the collectives, GB/s (default: %(default)s)")
+    ap.add_argument("--allreduce-us", type=float, default=ALLREDUCE_US,
+                    help="latency of one collective, microseconds (default: %(default)s, assumed)")
     args = ap.parse_args(argv)
     try:
         if min(args.acceptance) < 1 or min(args.concurrency) < 1 or args.context < 1:
             raise ValueError("--acceptance must be >= 1, --concurrency and --context >= 1")
+        if args.fabric_gbs <= 0 or args.allreduce_us < 0:
+            raise ValueError("--fabric-gbs must be > 0 and --allreduce-us >= 0")
         profile = recipe.load_profile(args.profile)
+        if args.tp is not None:
+            profile["parallel"]["tensor_parallel_size"] = args.tp
         config, source = load_config(profile, args.config)
         model = build(config, profile)
     except (ValueError, KeyError) as exc:
@@ -221,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.bandwidth_gbs:g} GB/s per GPU, context {args.context} tokens; "
           f"sizes from {source}\n")
     print(table(model, args.bandwidth_gbs, args.concurrency, args.context, args.acceptance))
+    print(limit_lines(model, args.bandwidth_gbs, args.fabric_gbs, args.allreduce_us,
+                      args.context, args.acceptance), end="")
     return 0
 
 

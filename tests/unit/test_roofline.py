@@ -109,8 +109,67 @@ def test_step_ranges_and_predicted_rates():
 
 def test_readme_holds_the_spark_table_the_command_prints(capsys):
     assert roofline.main(["--profile", "spark-2x", "--acceptance", "2.74", "4.4"]) == 0
-    table = capsys.readouterr().out.split("\n\n", 1)[1].strip()
+    table = capsys.readouterr().out.split("\n\n")[1].strip()
     assert table in (REPO / "scripts/bench/README.md").read_text()
+
+
+def test_readme_holds_the_four_spark_limits_the_command_prints(capsys):
+    assert roofline.main(["--profile", "spark-4x"]) == 0
+    limits = capsys.readouterr().out.split("\n\n")[2].strip().splitlines()
+    assert limits[1].startswith("limit TP=4 c=1 prose (accept len 2.74): decode ")
+    assert limits[2].startswith("limit TP=4 c=1 code (accept len 4.40): decode ")
+    readme = (REPO / "scripts/bench/README.md").read_text()
+    assert all(line in readme for line in limits)
+
+
+def test_tp4_divides_exactly_the_sharded_tensors_and_replicates_the_rest(tensors):
+    """Oracle: the checkpoint's tensors, split by name into sharded and replicated."""
+    sharded = sum(b for k, b in tensors.items() if not k.startswith("mtp.") and SHARDED.search(k))
+    assert tiny(1).dense - tiny(4).dense == pytest.approx(sharded * 3 / 4, rel=1e-12)
+    assert tiny(4).replicated == pytest.approx(tiny(1).dense - sharded, rel=1e-12)
+    assert tiny(4).replicated == tiny(1).replicated  # no TP divides it
+    assert tiny(4).expert == tiny(1).expert / 4
+
+
+def test_collectives_of_a_tp4_step_hand_computed():
+    """Tiny at TP=4: 3 layers, hidden 256, vocab 1024, k=4, 2 draft layers; bf16 messages.
+    Target pass: 2 x 3 + 1 = 7 all-reduces of rows x 256 x 2 bytes, each 2 x 3/4 of it per
+    GPU, and 3/4 of the rows x 1024 x 2 bytes of logits gathered; 8 collectives. Draft block:
+    2 x 2 + 1 = 5 all-reduces and one gather over k = 4 rows."""
+    m = tiny(4)
+    decode = 7 * 1.5 * (1 * 256 * 2) + 0.75 * (1 * 1024 * 2)  # 6912 bytes
+    assert decode == 6912
+    got = roofline.fabric_seconds(m, 1, False, fabric_gbs=1.0, latency_us=10.0)
+    assert got == pytest.approx(8 * 10e-6 + 6912 / 1e9, rel=1e-12)
+    target = 7 * 1.5 * (5 * 256 * 2) + 0.75 * (5 * 1024 * 2)  # 34560
+    draft = 5 * 1.5 * (4 * 256 * 2) + 0.75 * (4 * 1024 * 2)  # 21504
+    got = roofline.fabric_seconds(m, 1, True, fabric_gbs=1.0, latency_us=10.0)
+    assert got == pytest.approx((8 + 6) * 10e-6 + (target + draft) / 1e9, rel=1e-12)
+    assert roofline.fabric_seconds(tiny(1), 1, True, 1.0, 10.0) == 0.0
+
+
+def test_limit_is_bytes_at_the_bandwidth_plus_the_collectives():
+    m = tiny(4)
+    comm = roofline.fabric_seconds(m, 1, True, 1.0, 10.0)
+    low, high = roofline.step_bytes(m, 1, 64, speculative=True)
+    got = roofline.limit(m, 100.0, 1.0, 10.0, 1, 64, 3.0)
+    assert got["tok_s_low"] == pytest.approx(3.0 / (high / 100e9 + comm), rel=1e-12)
+    assert got["tok_s_high"] == pytest.approx(3.0 / (low / 100e9 + comm), rel=1e-12)
+    # without collectives (TP=1) the limit is the roofline's prediction
+    m1 = tiny(1)
+    free = roofline.limit(m1, 100.0, 1.0, 10.0, 1, 64, 3.0)
+    pred = roofline.predict(m1, 100.0, 1, 64, 3.0)
+    assert free["tok_s_low"] == pytest.approx(pred["tok_s_low"], rel=1e-12)
+    assert free["decode_tok_s"] == pytest.approx(pred["decode_tok_s"], rel=1e-12)
+
+
+def test_tp_flag_overrides_the_profile(capsys):
+    assert roofline.main(["--profile", "spark-2x", "--tp", "4"]) == 0
+    by_flag = capsys.readouterr().out.split("\n", 1)[1]
+    assert roofline.main(["--profile", "spark-4x"]) == 0
+    assert capsys.readouterr().out.split("\n", 1)[1] == by_flag
+    assert roofline.main(["--profile", "spark-2x", "--fabric-gbs", "0"]) == 2
+    assert "--fabric-gbs must be > 0" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_named(capsys, tmp_path):
