@@ -25,7 +25,7 @@ OVERLAY_FILES := $(shell find overlay -type f ! -name '*.pyc' 2>/dev/null)
 TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: help setup demo serve test test-fast mutation bench ab lint apply revert check model \
+.PHONY: help setup demo serve test test-fast upstream-tests mutation bench ab lint apply revert check model \
         image up down logs smoke audit rehearse clean
 
 help: ## this list
@@ -79,6 +79,9 @@ test: setup model $(TRITON_ORACLE)/.stamp ## set up (tiny checkpoint and its tra
 
 test-fast: setup model ## the unit and integration tiers (no engine, no server; tests/README.md)
 	$(VLLM_CPU_ENV) $(PY) -m pytest tests/unit tests/integration
+
+upstream-tests: setup ## vLLM's own tests of the files the overlay patches, with and without it (~10 min; not in `make test`)
+	$(VLLM_CPU_ENV) $(PY) -m scripts.dev.upstream_tests
 
 mutation: setup ## mutation testing of the core modules (~20 min, not in `make test`): score per module, survivors; MODULES="a b" for some
 	$(PY) -m scripts.dev.mutation $(foreach m,$(MODULES),--module $(m))

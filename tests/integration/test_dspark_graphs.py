@@ -26,16 +26,7 @@ def env():
 
 def use_graphs(p, wrap=FakeCUDAGraph):
     """The proposer's draft-block graphs, with ``wrap`` standing in for vLLM's wrapper."""
-    p.graphs = DraftBlockGraphs(
-        p.draft_block,
-        p.vllm_config,
-        p.draft_sizes,
-        num_spec_tokens=p.num_speculative_tokens,
-        vocab_size=p.model.shape.vocab_size,
-        sampled=p.probabilistic,
-        device=p.device,
-        wrap=wrap,
-    )
+    p.use_draft_graphs(wrap)
 
 
 def _steps(width, vocab, gen):

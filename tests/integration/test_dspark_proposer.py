@@ -306,3 +306,20 @@ def test_harness_draft_hook_replaces_drafts_and_restores_the_model(env):
     restore_drafts(p)
     drafts, _ = sim.step([("a", 1, 0), ("b", 1, 0)])
     assert not drafts.eq(11).all()
+
+
+def test_a_refused_step_gives_no_ring_row_away(env):
+    """A step the plan refuses (a request with more verified drafts than rows) leaves the
+    slot table as it was: the known request keeps its row, the new one holds none."""
+    draft, vc = env
+    width = draft.shape.hidden_size * len(draft.shape.target_layer_ids)
+    gen = torch.Generator().manual_seed(4)
+    p = make_proposer(draft, vc, max_num_seqs=2)
+    _propose(p, [("known", 0, 5, 0, 6, torch.randn(5, width, generator=gen).bfloat16())],
+             width, gen)
+    [row] = p.slot_table.assign(["known"])
+    bad = [("known", 5, 2, 0, 6, torch.randn(2, width, generator=gen).bfloat16()),
+           ("new", 0, 1, 1, 9, torch.randn(1, width, generator=gen).bfloat16())]
+    with pytest.raises(ValueError, match="request 1 has 1 rows"):
+        _propose(p, bad, width, gen)
+    assert set(p.live_request_ids) == {"known"} and p.slot_table.assign(["known"]) == [row]

@@ -64,7 +64,7 @@ def test_bad_noise_token_is_refused_with_the_field(cfg, message):
 
 def test_block_positions_clamp_at_the_last_servable_position():
     anchors = torch.tensor([0, 10, 508, 511])
-    pos = draft_block_positions(anchors, 4, max_model_len=512)
+    pos = draft_block_positions(anchors, 4, 512, torch.arange(4))
     for r, p in enumerate(anchors.tolist()):
         assert pos[r].tolist() == [min(p + j, 511) for j in range(4)]
 

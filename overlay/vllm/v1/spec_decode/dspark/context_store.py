@@ -162,7 +162,7 @@ class AcceptedRows(NamedTuple):
     """Per request: one past its last accepted packed row, and that row's position."""
 
     end: torch.Tensor  # [R] qsl[r+1] - num_rejected[r]
-    last_pos: torch.Tensor  # [R] position of row end - 1 (row 0 for an empty segment)
+    last_pos: torch.Tensor  # [R] position of row end - 1 (every request keeps its anchor)
 
 
 def last_accepted(
@@ -170,7 +170,7 @@ def last_accepted(
 ) -> AcceptedRows:
     """Where each request's accepted rows end: the store and the draft anchors both need it."""
     end = plan.seg_end - num_rejected
-    return AcceptedRows(end, positions.index_select(0, (end - 1).clamp_(min=0)))
+    return AcceptedRows(end, positions.index_select(0, end - 1))
 
 
 def store_context_kv(
@@ -194,8 +194,6 @@ def store_context_kv(
     bounds). Uniform steps take the flat ``[R, L]`` path, ragged ones the plan's candidate
     list; both end in the same scatter. No host read; the shapes depend on the plan only.
     """
-    if plan.num_candidates == 0:
-        return
     acc_end, last_pos = accepted
     candidates = _flat_candidates if plan.uniform else _ragged_candidates
     rows, ring, pos = candidates(plan, positions, acc_end, last_pos)

@@ -56,7 +56,11 @@ from vllm.v1.spec_decode.dspark.adaptive import (
 )
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
-from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted
+from vllm.v1.spec_decode.dspark.graphs import (
+    DraftBlockGraphs,
+    draft_graphs_wanted,
+    full_cuda_graph,
+)
 from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark.rings import SlotTable, allocate_rings, clear_slots
 from vllm.v1.spec_decode.dspark.step_plan import (
@@ -204,8 +208,9 @@ class DSparkProposer:
         if draft_graphs_wanted(self.vllm_config, self.device):
             self.use_draft_graphs()
 
-    def use_draft_graphs(self) -> None:
-        """Run the draft block as one CUDA graph per draft size (captured in ``dummy_run``)."""
+    def use_draft_graphs(self, wrap=full_cuda_graph) -> None:
+        """Run the draft block as one CUDA graph per draft size (captured in ``dummy_run``);
+        ``wrap(block, vllm_config)`` makes the capturing callable (vLLM's wrapper)."""
         self.graphs = DraftBlockGraphs(
             self.draft_block,
             self.vllm_config,
@@ -214,6 +219,7 @@ class DSparkProposer:
             vocab_size=self.model.shape.vocab_size,
             sampled=self.probabilistic,
             device=self.device,
+            wrap=wrap,
         )
 
     def layer_caches(self) -> list[torch.Tensor]:
@@ -365,24 +371,33 @@ class DSparkProposer:
             return drafts
 
     def plan(self, req_ids: list[str], step: DSparkStepInput) -> StepPlan:
-        """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy."""
+        """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy.
+
+        A step the plan refuses leaves the table as it was: rows given to new ids go back.
+        """
         rank, group = self._tp_rank_group()
-        return plan_step(
-            step.query_start_loc_cpu,
-            self.slot_table.assign(req_ids),
-            num_draft_tokens=step.num_draft_tokens,
-            prefilling=step.prefilling,
-            temperature_cpu=step.temperature_cpu,
-            never_cut=self._never_cut(step.temperature_cpu, step.request_seeds),
-            window=self.window,
-            num_slots=self.max_num_seqs,
-            num_spec_tokens=self.num_speculative_tokens,
-            draft_sizes=self.draft_sizes,
-            tp_size=self.tp_size,
-            rank=rank,
-            group=group,
-            device=self.device,
-        )
+        new_ids = [rid for rid in req_ids if rid not in self.slot_table.held_ids]
+        slots = self.slot_table.assign(req_ids)
+        try:
+            return plan_step(
+                step.query_start_loc_cpu,
+                slots,
+                num_draft_tokens=step.num_draft_tokens,
+                prefilling=step.prefilling,
+                temperature_cpu=step.temperature_cpu,
+                never_cut=self._never_cut(step.temperature_cpu, step.request_seeds),
+                window=self.window,
+                num_slots=self.max_num_seqs,
+                num_spec_tokens=self.num_speculative_tokens,
+                draft_sizes=self.draft_sizes,
+                tp_size=self.tp_size,
+                rank=rank,
+                group=group,
+                device=self.device,
+            )
+        except ValueError:
+            self.slot_table.release(new_ids)
+            raise
 
     def _project(self, aux: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``aux [T, m*H]`` -> context KV of all draft layers stacked, ``[T, K * D]``."""

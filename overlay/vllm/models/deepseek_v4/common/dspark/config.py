@@ -130,16 +130,14 @@ def draft_block_positions(
     anchor_positions: torch.Tensor,
     block_len: int,
     max_model_len: int,
-    offsets: torch.Tensor | None = None,
+    offsets: torch.Tensor,
 ) -> torch.Tensor:
     """Positions ``[R, N]`` of each request's block ``p .. p+N-1``, clamped as upstream does.
 
     Slots past the last position a request may reach (``max_model_len - 1``) would be
     rejected anyway; clamping keeps their RoPE inside the range the model serves.
-    ``offsets`` is ``arange(N)`` on the device for a caller that keeps one.
+    ``offsets`` is ``arange(block_len)`` on the device (the proposer makes it once).
     """
-    if offsets is None:
-        offsets = torch.arange(block_len, device=anchor_positions.device)
     return (anchor_positions[:, None] + offsets).clamp(max=max_model_len - 1)
 
 
