@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import subprocess
 import time
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from scripts.bench.adaptive import cpu_name
 from scripts.dev.overlay_source import load_overlay_module
 
 noise = load_overlay_module("vllm/models/deepseek_v4/common/dspark/noise.py")
@@ -143,7 +144,8 @@ def main(argv=None) -> None:
         "values_identical": identical,
         "timings": timings,
         "meta": {"commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-                 "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
+                 "threads": torch.get_num_threads(), "cpu": cpu_name(),
+                 "load_average": os.getloadavg()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "noise.json").write_text(json.dumps(result, indent=2) + "\n")
