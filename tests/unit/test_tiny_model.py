@@ -217,6 +217,14 @@ def test_empty_output_dir_is_fine_and_failures_leave_nothing(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
+def test_o_groups_for_tp4(tmp_path):
+    """TP=4 needs o_groups divisible by 4: vLLM gives each rank o_groups / TP of them."""
+    cfg_tensors = tensors(make(tmp_path / "m", "--o-groups", "4"))
+    # wo_a: o_groups x o_lora_rank rows, heads / o_groups x head_dim columns (4 x 128, 512)
+    assert cfg_tensors["layers.0.attn.wo_a.weight"][0] == (4 * 128, 1 * 512)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["o_groups"] == 4
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -226,6 +234,7 @@ def test_empty_output_dir_is_fine_and_failures_leave_nothing(tmp_path, monkeypat
         (["--topk", "4"], "invalid choice"),
         (["--dspark", "--target-layer-ids", "0,3"], "--target-layer-ids must be in"),
         (["--num-heads", "3"], "--num-heads must be even"),
+        (["--o-groups", "3"], "--o-groups must divide --num-heads=4"),
         (["--bf16-twin", "twin"], "--bf16-twin needs --format real"),
         (["--dspark", "--format", "real", "--mtp-layers", "2"], "3 stages as published"),
         (["--dspark", "--format", "real", "--no-confidence-head"], "has a confidence head"),
