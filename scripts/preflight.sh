@@ -14,7 +14,7 @@ PROC_ROOT="${PROC_ROOT:-/proc}"
 MIN_MTU="${MIN_MTU:-9000}"
 IB_DIR="$SYSFS_ROOT/class/infiniband"
 NET_DIR="$SYSFS_ROOT/class/net"
-ALL_CHECKS="env compose gpu image overlay cache rdma mtu head ports stale"
+ALL_CHECKS="env compose gpu image overlay selftest cache rdma mtu head ports stale"
 COMPOSE_PROJECT="dspark"
 
 FAILS=0
@@ -44,7 +44,7 @@ usage() {
 Usage:
   scripts/preflight.sh [--env-file docker/.env] [--only CHECKS] [--skip CHECKS]
       Every check for this node's role (NODE_RANK in the env file: 0 head, 1..N-1 workers).
-      CHECKS is a comma list of: env compose gpu image overlay cache rdma mtu head ports stale
+      CHECKS is a comma list of: env compose gpu image overlay selftest cache rdma mtu head ports stale
       Prints PASS/WARN/FAIL per check; every FAIL says what to fix. Exit 1 on any FAIL.
   scripts/preflight.sh check-env [--env-file FILE]
       Only the format of the variables in the env file (scripts/recipe.py check-env).
@@ -392,6 +392,7 @@ check_gpu() {
     fi
     IFS=, read -r name cap <<<"${out%%$'\n'*}"
     cap=${cap// /}
+    GPU_NAME=$name
     if [[ $cap != 12.1 ]]; then
         warn gpu "GPU '$name' has compute capability $cap; this image is built for GB10 (12.1, sm_121)"
     else
@@ -404,25 +405,30 @@ check_gpu() {
 }
 
 IMAGE_OK=0
+IMAGE_ID=""
+GPU_NAME=""
 check_image() {
-    local out id vver vcommit over want_commit want_version want_overlay
+    local out id vver vcommit over content want_commit want_version want_overlay want_content
     if ! command -v docker >/dev/null 2>&1; then
         fail image "docker not found" "install Docker Engine (DGX OS ships it)"
         return
     fi
-    if ! out=$(docker image inspect --format '{{.Id}}|{{index .Config.Labels "dspark.vllm.version"}}|{{index .Config.Labels "dspark.vllm.commit"}}|{{index .Config.Labels "dspark.overlay.version"}}' "$IMAGE" 2>&1); then
+    if ! out=$(docker image inspect --format '{{.Id}}|{{index .Config.Labels "dspark.vllm.version"}}|{{index .Config.Labels "dspark.vllm.commit"}}|{{index .Config.Labels "dspark.overlay.version"}}|{{index .Config.Labels "dspark.content.sha256"}}' "$IMAGE" 2>&1); then
         fail image "image $IMAGE is not on this node (docker: $(oneline "$out"))" \
             "build it on this node: make image (both nodes need the same image)" \
             "if docker cannot reach its daemon: sudo systemctl start docker; sudo usermod -aG docker \$USER (then log in again)"
         return
     fi
-    IFS='|' read -r id vver vcommit over <<<"$out"
+    IFS='|' read -r id vver vcommit over content <<<"$out"
     local pins
     pins=$(recipe pins --as make 2>/dev/null)
     want_commit=$(sed -n 's/^VLLM_GIT_COMMIT := //p' <<<"$pins")
     want_version=$(sed -n 's/^VLLM_VERSION := //p' <<<"$pins")
     want_overlay=$("$PY" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["overlay_version"])' "$REPO/overlay/manifest.yaml" 2>/dev/null)
+    # what the image was built from (overlay/, recipe/, docker/) against this checkout
+    want_content=$(PYTHONPATH="$REPO" "$PY" -m scripts.node.content_hash 2>/dev/null)
     local problems=()
+    [[ $content == "<no value>" ]] && content=""
     [[ $vver == "<no value>" ]] && vver=""
     [[ $vcommit == "<no value>" ]] && vcommit=""
     [[ $over == "<no value>" ]] && over=""
@@ -430,6 +436,11 @@ check_image() {
     [[ -n $want_commit && -n $vcommit && $vcommit != "$want_commit" ]] && problems+=("vLLM commit $vcommit, recipe/pins.yaml pins $want_commit")
     [[ -n $want_version && -n $vver && $vver != "$want_version" ]] && problems+=("vLLM $vver, recipe pins $want_version")
     [[ -n $want_overlay && -n $over && $over != "$want_overlay" ]] && problems+=("overlay $over, this checkout is overlay $want_overlay")
+    if [[ -z $content ]]; then
+        problems+=("it has no dspark.content.sha256 label (built before the image carried the hash of overlay/, recipe/, docker/)")
+    elif [[ -n $want_content && $content != "$want_content" ]]; then
+        problems+=("built from other overlay/, recipe/ or docker/ files (content ${content:0:12}, this checkout ${want_content:0:12}: git pull or an edit since make image)")
+    fi
     if ((${#problems[@]})); then
         local joined
         printf -v joined '%s; ' "${problems[@]}"
@@ -437,6 +448,7 @@ check_image() {
         return
     fi
     IMAGE_OK=1
+    IMAGE_ID=$id
     pass image "$IMAGE ${id:0:19} (vLLM $vver @$vcommit, overlay $over); the other node must show the same ID"
 }
 
@@ -450,6 +462,32 @@ check_overlay() {
         pass overlay "${out##*$'\n'}"
     else
         fail overlay "the overlay marker is missing in $IMAGE: $(oneline "$out")" "rebuild the image: make image (the build applies the overlay and fails if it does not apply)"
+    fi
+}
+
+# check_selftest: the overlay's runner has never served on this GPU until `make selftest`
+# passed here for this very image (scripts/selftest/record.py judges the records).
+check_selftest() {
+    local out dir=${SELFTEST_DIR:-$REPO/.cache/selftest}
+    if [[ ${P_SPEC_RUNNER:-} != overlay ]]; then
+        pass selftest "runner ${P_SPEC_RUNNER:-?}: upstream's DSpark needs no self-test record"
+        return
+    fi
+    if [[ -z $IMAGE_ID ]]; then
+        warn selftest "skipped: the image check did not pass"
+        return
+    fi
+    if [[ -z $GPU_NAME ]]; then
+        GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+        GPU_NAME=${GPU_NAME%%,*}
+    fi
+    if out=$(PYTHONPATH="$REPO" "$PY" -m scripts.selftest.record verdict --dir "$dir" \
+        --image-id "$IMAGE_ID" --gpu "${GPU_NAME:-none}" 2>&1); then
+        pass selftest "$(oneline "$out")"
+    else
+        fail selftest "$(oneline "$out")" \
+            "make selftest (on this node, a few minutes; make selftest PAIR=1 for TP=2 across both)" \
+            "or serve upstream's DSpark instead: PROFILE=spark-2x-upstream in docker/.env on both nodes"
     fi
 }
 
@@ -651,13 +689,16 @@ main() {
 
     want() { [[ ( -z $only || ",$only," == *",$1,"* ) && ",$skip," != *",$1,"* ]]; }
     local needs_profile=0
-    for c in env cache ports image; do want "$c" && needs_profile=1; done
+    for c in env cache ports image selftest; do want "$c" && needs_profile=1; done
     if ((needs_profile)); then load_profile; fi
     want env && check_vars host
     want compose && check_compose
     want gpu && check_gpu
     want image && check_image
     want overlay && check_overlay
+    if want selftest; then
+        if [[ $PROFILE_STATE == ok ]]; then check_selftest; else warn selftest "skipped: needs the profile"; fi
+    fi
     if want cache; then
         if [[ $PROFILE_STATE == ok && -n ${MODEL_CACHE_DIR:-} ]]; then check_cache; else warn cache "skipped: needs the profile and MODEL_CACHE_DIR"; fi
     fi

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from scripts.node.content_hash import content_hash
 from tests.support.spark_host import (
     PREFLIGHT,
     V1,
@@ -21,6 +22,7 @@ from tests.support.spark_host import (
     ipv4_gid,
     link_local_gid,
     node_env,
+    selftest_record,
     spark_pair_port,
     standard_gids,
     write_env,
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.timeout(60)
 
 HEAD_IP, WORKER_IP = "192.168.100.10", "192.168.100.11"
 MODEL = "deepseek-ai/DeepSeek-V4-Flash-DSpark"  # recipe/profiles/spark-2x.yaml
-GOOD_IMAGE = "sha256:0123456789abcdef0123456789|0.32.0|5df63a720|0.1.0"
+IMAGE_ID = "sha256:0123456789abcdef0123456789"
+GOOD_IMAGE = f"{IMAGE_ID}|0.32.0|5df63a720|0.1.0|{content_hash()}"
 
 
 @pytest.fixture
@@ -48,6 +51,8 @@ def resolve(host: FakeHost, hca="=rocep1s0f0", ifname="enp1s0f0np0", ip=HEAD_IP,
 
 def run_preflight(host: FakeHost, env_values: dict, *args: str, **fake: str):
     env_file = write_env(host.root / "node.env", env_values)
+    if "SELFTEST_DIR" not in fake:  # a passing self-test of GOOD_IMAGE on the fake GB10
+        fake["SELFTEST_DIR"] = str(selftest_record(host.root / "selftest", IMAGE_ID))
     r = subprocess.run([str(PREFLIGHT), "--env-file", str(env_file), *args],
                        env=host.env(**fake), capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
@@ -209,8 +214,8 @@ def test_head_passes_everything(pair):
     rc, out = run_preflight(host, node_env(0, cache), FAKE_IMAGE=GOOD_IMAGE)
     assert rc == 0, out
     assert "FAIL" not in out
-    for check in ("env", "compose", "gpu", "image", "overlay", "cache", "rdma", "gid", "mtu",
-                  "head", "ports", "stale"):
+    for check in ("env", "compose", "gpu", "image", "overlay", "selftest", "cache", "rdma",
+                  "gid", "mtu", "head", "ports", "stale"):
         assert lines(out, "PASS", check), f"no PASS for {check}:\n{out}"
     assert "NCCL_IB_GID_INDEX=auto resolves to 3" in out
     assert "dspark-vllm:local sha256:0123456789a" in out
@@ -307,6 +312,9 @@ def test_head_ports_in_use(pair):
     ("sha256:0123|0.32.0|deadbeef1|0.1.0", "vLLM commit deadbeef1, recipe/pins.yaml pins 5df63a720"),
     ("sha256:0123|0.32.0|5df63a720|0.0.9", "overlay 0.0.9, this checkout is overlay 0.1.0"),
     ("sha256:0123|||", "no dspark.vllm.commit / dspark.overlay.version labels"),
+    ("sha256:0123|0.32.0|5df63a720|0.1.0|", "no dspark.content.sha256 label"),
+    (f"sha256:0123|0.32.0|5df63a720|0.1.0|{'0' * 64}",
+     "built from other overlay/, recipe/ or docker/ files"),
 ])
 def test_image_must_match_the_checkout(pair, image, expect):
     host, cache = pair
