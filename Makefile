@@ -26,7 +26,7 @@ TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
 .PHONY: help setup demo serve test test-fast upstream-tests mutation bench ab lint apply revert check model \
-        image up down logs smoke audit rehearse clean
+        image selftest up down logs smoke audit rehearse clean
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -142,9 +142,27 @@ image: ## build the Spark image on this node (aarch64, CUDA 13, sm_121; pins fro
 	    --build-arg VLLM_GIT_COMMIT="$$VLLM_GIT_COMMIT" --build-arg VLLM_REPO="$$VLLM_REPO" \
 	    --build-arg TORCH_CUDA_ARCH_LIST="$$TORCH_CUDA_ARCH_LIST" \
 	    --build-arg OVERLAY_VERSION="$(OVERLAY_VERSION)" \
+	    --build-arg CONTENT_SHA256="$$($(PYTHON) -m scripts.node.content_hash)" \
 	    --build-arg VLLM_PRECOMPILED_WHEEL_LOCATION="$(VLLM_PRECOMPILED_WHEEL_LOCATION)" \
 	    --build-arg DOWNLOAD_KERNELS="$(DOWNLOAD_KERNELS)" \
 	    --build-arg RECIPE_REVISION="$$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" .
+
+# `make selftest`: with docker/.env (a Spark) in the image on this node's GPU, the record in
+# .cache/selftest/ where preflight reads it; else on this CPU in .venv. PAIR=1: TP=2 (CPU: two
+# ranks on this machine; across both Sparks not implemented yet).
+PAIR ?=
+selftest: ## the overlay's DSpark checked on this node's device before `make up` (PAIR=1: TP=2); writes the record preflight reads
+	@if [ -f $(SPARK_ENV) ]; then \
+	  if [ -n "$(PAIR)" ]; then echo ">> PAIR=1 across two Sparks is not implemented yet: run make selftest on each node" >&2; exit 2; fi; \
+	  mkdir -p .cache/selftest && \
+	  docker run --rm --gpus all --ipc host --network none -u $$(id -u):$$(id -g) \
+	    -e PROFILE="$$(sed -n 's/^PROFILE=//p' $(SPARK_ENV) | tail -n 1)" \
+	    -e DSPARK_IMAGE_ID="$$(docker image inspect --format '{{.Id}}' $(DSPARK_IMAGE))" \
+	    -v "$(CURDIR)/.cache/selftest:/records" -v dspark_jit-cache:/cache/jit \
+	    $(DSPARK_IMAGE) selftest; \
+	else $(MAKE) --no-print-directory setup && \
+	  $(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(if $(PAIR),VLLM_CPU_OMP_THREADS_BIND="0|1") \
+	    $(PY) -m scripts.selftest $(if $(PAIR),--tp 2); fi
 
 up: ## preflight this node, then start its rank (NODE_RANK in docker/.env) in the background
 	scripts/preflight.sh --env-file $(SPARK_ENV)

@@ -414,6 +414,13 @@ main() {
         check-overlay) require_overlay ;;
         health) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.smoke --profile "$PROFILE" --host "$(head_host)" --health "$@" ;;
         smoke) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.smoke --profile "$PROFILE" --host "$(head_host)" "$@" ;;
+        # the overlay's DSpark on this GPU with the profile's settings (scripts/selftest)
+        selftest)
+            require_overlay
+            HF_HUB_OFFLINE=1 PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.selftest --profile "$PROFILE" \
+                --model "${SELFTEST_MODEL:-/cache/jit/dspark-selftest/tiny-dsv4-dspark-shape-true}" \
+                --record-dir "${SELFTEST_DIR:-/records}" "$@"
+            ;;
         *) exec "$cmd" "$@" ;;
     esac
 }
