@@ -68,7 +68,10 @@ class PlainTarget:
         """``engine_kwargs``: ``vllm.LLM`` arguments (``model`` included, no speculation)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, engine_kwargs), daemon=True)
+        # At TP > 1 the child starts vLLM's rank processes, which a daemonic process may not
+        # have; it still ends with the parent: its pipe closes and recv() raises.
+        daemon = engine_kwargs.get("tensor_parallel_size", 1) == 1
+        self._proc = ctx.Process(target=_serve, args=(child, engine_kwargs), daemon=daemon)
         env = {**{k: os.environ.get(k, v) for k, v in ENGINE_ENV_DEFAULTS.items()}, **(env or {})}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
