@@ -105,7 +105,7 @@ rebase-check: setup ## VERSION=X: each overlay entry against vLLM X's sources (u
 lint: setup ## ruff, hadolint, shellcheck
 	$(PY) -m ruff check scripts tests overlay
 	$(VENV)/bin/hadolint docker/Dockerfile
-	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/node/head_link.sh scripts/apply_overlay.sh scripts/setup/find_python.sh docker/entrypoint.sh
+	$(VENV)/bin/shellcheck scripts/preflight.sh scripts/node/head_link.sh scripts/node/selftest_gate.sh scripts/apply_overlay.sh scripts/setup/find_python.sh docker/entrypoint.sh
 
 apply: $(STAMP_DEPS) ## apply the overlay onto the venv's vLLM (linked; OVERLAY_MODE= copies)
 	scripts/apply_overlay.sh --python $(PY) $(OVERLAY_MODE) && touch $(STAMP_OVERLAY)

@@ -240,24 +240,28 @@ def _materialise(tensors: dict, gen) -> dict:
     return out
 
 
-def build_real_tensors(cfg: dict, seed: int, log) -> dict:
-    """All tensors in the published format, one layer at a time."""
+def build_real_tensors(cfg: dict, seed: int, log, materialise=None, designed: bool = True) -> dict:
+    """All tensors in the published format, one layer at a time. ``materialise`` (default:
+    random codes) fills the large ones; ``designed=False`` leaves out the designed embedding,
+    LM head and Markov weights (for a meta-device look at the layers)."""
     import torch
 
     from scripts.tiny.checkpoint_quant import to_real_format
 
     init = _LazyInit(seed)
     gen = torch.Generator().manual_seed(seed + 3)
+    fill = materialise or _materialise
     out: dict = {}
     for i, ratio in enumerate(cfg["compress_ratios"][: cfg["num_hidden_layers"]]):
         log(f"  target layer {i}: compress ratio {ratio}")
         layer = tiny._decoder_layer(init, cfg, f"layers.{i}", ratio, i < cfg["num_hash_layers"])
-        out.update(_materialise(to_real_format(layer)[0], gen))
+        out.update(fill(to_real_format(layer)[0], gen))
     out.update(tiny._head_stack(init, cfg, ""))
     for j in range(tiny.REAL_STAGES):
         log(f"  draft stage mtp.{j}")
-        out.update(_materialise(to_real_format(_draft_stage(init, cfg, j))[0], gen))
-    out.update(designed_tensors(cfg, seed))
+        out.update(fill(to_real_format(_draft_stage(init, cfg, j))[0], gen))
+    if designed:
+        out.update(designed_tensors(cfg, seed))
     return out
 
 
