@@ -26,7 +26,7 @@ TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
 .PHONY: help setup demo serve test test-fast upstream-tests mutation bench ab lint apply revert check model \
-        image selftest up down logs smoke audit rehearse clean
+        image selftest status up down logs smoke audit rehearse clean
 
 help: ## this list
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -163,6 +163,10 @@ selftest: ## the overlay's DSpark checked on this node's device before `make up`
 	else $(MAKE) --no-print-directory setup && \
 	  $(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(if $(PAIR),VLLM_CPU_OMP_THREADS_BIND="0|1") \
 	    $(PY) -m scripts.selftest $(if $(PAIR),--tp 2); fi
+
+status: ## this node in one screen: container, health, model, runner, last self-test, DSpark counters
+	@PROFILE="$$(sed -n 's/^PROFILE=//p' $(SPARK_ENV) 2>/dev/null | tail -n 1)"; \
+	  $(PYTHON) -m scripts.node.status --profile "$${PROFILE:-spark-2x}"
 
 up: ## preflight this node, then start its rank (NODE_RANK in docker/.env) in the background
 	scripts/preflight.sh --env-file $(SPARK_ENV)
