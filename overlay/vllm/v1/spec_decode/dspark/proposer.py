@@ -236,7 +236,8 @@ class DSparkProposer:
 
     def dummy_run(self, num_tokens: int, *, is_graph_capturing: bool = False, **kwargs) -> None:
         """Profile/warm-up pass (one block of the smallest draft size, reading only the
-        scratch row); in vLLM's capture phase, captures the draft block's graphs."""
+        scratch row, and one draw of sampling noise); in vLLM's capture phase, captures the
+        draft block's graphs."""
         if self.model is None or self.kv_cache is None:
             return
         if is_graph_capturing and self.graphs is not None:
@@ -259,6 +260,8 @@ class DSparkProposer:
         zero = torch.zeros(rows, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
             self.draft_block(slots, anchors, zero, None)
+            if self.probabilistic:  # compiles the noise kernel now, not in a served step
+                self.draw_race_noise(torch.zeros(rows, dtype=torch.int64), zero)
 
     def take_draft_budgets(self) -> torch.Tensor | None:
         """``[R]`` int32 (device) drafts worth verifying per request of the last step, -1
