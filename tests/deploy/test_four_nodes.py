@@ -14,12 +14,14 @@ import subprocess
 
 import pytest
 
+from scripts.node.content_hash import content_hash
 from tests.support.paths import REPO
 from tests.support.spark_host import (
     ENTRYPOINT,
     PREFLIGHT,
     FakeHost,
     node_env,
+    selftest_record,
     spark_pair_port,
     write_env,
 )
@@ -27,7 +29,7 @@ from tests.support.spark_host import (
 pytestmark = pytest.mark.timeout(60)
 
 MODEL = "deepseek-ai/DeepSeek-V4-Flash-DSpark"  # recipe/profiles/spark-4x.yaml
-GOOD_IMAGE = "sha256:0123456789abcdef0123456789|0.32.0|5df63a720|0.1.0"
+GOOD_IMAGE = f"sha256:0123456789abcdef0123456789|0.32.0|5df63a720|0.1.0|{content_hash()}"
 
 
 def node(tmp_path, rank: int) -> tuple[FakeHost, dict]:
@@ -48,7 +50,9 @@ def preflight(host: FakeHost, values: dict, *args: str, **fake: str):
 def test_every_rank_of_four_passes_preflight(tmp_path, rank):
     host, values = node(tmp_path, rank)
     log = host.root / "ping.log"
-    rc, out = preflight(host, values, FAKE_IMAGE=GOOD_IMAGE, FAKE_PING_LOG=str(log))
+    records = selftest_record(host.root / "selftest", GOOD_IMAGE.split("|")[0])  # a passed one
+    rc, out = preflight(host, values, FAKE_IMAGE=GOOD_IMAGE, FAKE_PING_LOG=str(log),
+                        SELFTEST_DIR=str(records))
     assert rc == 0, out
     assert "FAIL" not in out
     # the GID of this node's own address (index 3 of standard_gids), on both port twins
