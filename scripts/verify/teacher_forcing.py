@@ -16,12 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 # Bound on the deficit of a correct token, in nats. The plain target's own greedy tokens,
-# scored the same way, show the noise a correct token carries: 0.000 nats on this project's
-# CPUs for the demo's batch (`make demo` measures and prints it every run; AVX2 and
-# AVX512-BF16 hosts), at most 0.03 for the engine tests' batches. scripts/dev/
-# measure_bf16_noise.py once saw 0.344 nats on an AMX host, but only for prompts decoded
-# alone and scored batched, which no check here does. 0.25 stays far below the deficit of a
-# wrong token (1.9-3.7 nats in the lossy-sampler test).
+# scored the same way, show the noise a correct token carries: `make demo` measures and prints
+# it every run (0.0000 on 2026-12-03, AMD EPYC AVX2, default, torch kernels forced and
+# ONEDNN_MAX_CPU_ISA=SSE41). scripts/dev/measure_bf16_noise.py once saw 0.344 nats on an AMX
+# host, but only for prompts decoded alone and scored batched, which no check here does.
+# 0.25 stays far below the deficit of a wrong token (1.9-3.7 nats in the lossy-sampler test).
 EPSILON_NATS: float = 0.25
 
 
