@@ -9,17 +9,13 @@ store (the store plan comes from the product's ``plan_step``). The TP=2 tests ru
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import os
 import random
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
 from scripts.dev.gpu_check import reference_store
-from tests.support.net import free_port
+from tests.support.gloo_ranks import run_rank, spawn_ranks
 from tests.support.overlay import load_overlay_module
 from tests.support.step_plans import plan_for_store
 
@@ -292,62 +288,24 @@ def test_zero_pad_row_would_project_nonzero():
 # ---------------------------------------------------------------------------
 
 
+def _ingest_every_scenario(rank: int, group) -> dict:
+    """What one of two TP ranks stores for every scenario."""
+    results = {}
+    for name in SCENARIOS:
+        full, ring, calls = run_ingest(build_scenario(name), 2, rank, group)
+        results[name] = {"full": full, "ring": ring, "calls": calls}
+    return results
+
+
 def _dist_worker(rank: int, port: int, out_dir: str) -> None:
     """One TP rank: ingest every scenario with TP=2 and save what it stored."""
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if os.path.isdir("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        group = dist.group.WORLD
-        results = {}
-        for name in SCENARIOS:
-            sc = build_scenario(name)
-            full, ring, calls = run_ingest(sc, 2, rank, group)
-            results[name] = {"full": full, "ring": ring, "calls": calls}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    run_rank(rank, 2, port, out_dir, lambda group: _ingest_every_scenario(rank, group), 60)
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     """Results of both ranks; the two processes are spawned once for the module."""
-    ctx = multiprocessing.get_context("spawn")
-    for attempt in range(2):  # a second try if another test grabbed the port
-        out = tmp_path_factory.mktemp(f"tp2_{attempt}")
-        port = free_port()
-        procs = [
-            ctx.Process(target=_dist_worker, args=(rank, port, str(out)), daemon=True)
-            for rank in range(2)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=150)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join(5)
-        errors = "\n".join(f.read_text() for f in sorted(out.glob("*.err")))
-        if not hung and all(p.exitcode == 0 for p in procs):
-            return [torch.load(out / f"rank{r}.pt") for r in range(2)]
-        if "ddress already in use" not in errors or attempt:
-            pytest.fail(f"TP=2 workers failed (hung={len(hung)}):\n{errors}")
-    raise AssertionError("unreachable")
+    return spawn_ranks(_dist_worker, 2, tmp_path_factory, join_s=150)
 
 
 @pytest.mark.dist

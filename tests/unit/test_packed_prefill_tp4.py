@@ -11,16 +11,12 @@ projection and the reference come from the TP=2 tests' module (``test_packed_pre
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import random
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.net import free_port
+from tests.support.gloo_ranks import run_rank, spawn_ranks
 from tests.unit.test_packed_prefill import (
     assert_rings_equal,
     build_scenario,
@@ -63,52 +59,23 @@ def scenario(name: str) -> dict:
     return sc
 
 
+def _ingest_every_scenario(rank: int, group) -> dict:
+    """What one of the four ranks stores for every scenario."""
+    results = {}
+    for name in SCENARIOS:
+        full, ring, calls = run_ingest(scenario(name), TP, rank, group)
+        results[name] = {"full": full, "ring": ring, "calls": calls}
+    return results
+
+
 def _rank(rank: int, port: int, out_dir: str) -> None:
     """One of the four ranks: ingest every scenario at TP=4, save what it stored."""
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if os.path.isdir("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=TP, timeout=datetime.timedelta(seconds=90))
-        results = {}
-        for name in SCENARIOS:
-            full, ring, calls = run_ingest(scenario(name), TP, rank, dist.group.WORLD)
-            results[name] = {"full": full, "ring": ring, "calls": calls}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    run_rank(rank, TP, port, out_dir, lambda group: _ingest_every_scenario(rank, group))
 
 
 @pytest.fixture(scope="module")
 def tp4(tmp_path_factory):
-    ctx = multiprocessing.get_context("spawn")
-    for attempt in range(2):  # a second try if another test grabbed the port
-        out = tmp_path_factory.mktemp(f"tp4_{attempt}")
-        port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, port, str(out)), daemon=True)
-                 for r in range(TP)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=200)
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join(5)
-        errors = "\n".join(f.read_text() for f in sorted(out.glob("*.err")))
-        if not hung and all(p.exitcode == 0 for p in procs):
-            return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
-        if "ddress already in use" not in errors or attempt:
-            pytest.fail(f"TP=4 ranks failed (hung={len(hung)}):\n{errors}")
-    raise AssertionError("unreachable")
+    return spawn_ranks(_rank, TP, tmp_path_factory, join_s=200)
 
 
 def test_own_scenarios_cover_the_missing_residues():
