@@ -20,21 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+from scripts.selftest.engines import kernels
 from scripts.verify.plain_target import PlainTarget
 from tests.e2e.runners.dspark import engine_kwargs, lossless_phase, make_engine, prompts
-
-
-def kernels(model) -> dict[str, list[str]]:
-    """Class names of the FP8 linear kernels and MoE experts in ``model``."""
-    linear, experts = set(), set()
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if hasattr(method, "fp8_linear"):
-            linear.add(type(method.fp8_linear).__name__)
-        kernel = getattr(method, "moe_kernel", None)
-        if kernel is not None:
-            experts.add(type(kernel.fused_experts).__name__)
-    return {"fp8_linear": sorted(linear), "moe_experts": sorted(experts)}
 
 
 def logprob_gaps(a: list, b: list) -> dict:
