@@ -23,7 +23,7 @@ from pathlib import Path
 
 from scripts import recipe
 from scripts.node.content_hash import content_hash
-from scripts.selftest import checks, device, record
+from scripts.selftest import checks, cuda_checks, device, record
 from scripts.selftest.engines import engine_kwargs, kernels
 from scripts.verify.plain_target import ENGINE_ENV_DEFAULTS
 
@@ -104,10 +104,13 @@ def run(args, rec: dict, dev: dict, profile: dict) -> dict:
         note("step_times", "PASS", f"plain decode step {plain_ms:.1f} ms, DSpark step "
              f"{dspark_ms:.1f} ms ({per_step:.2f} tokens per step, batch {checks.DECODE_BATCH})")
 
-    progress(7, "CUDA-only checks")
-    kind = dev["kind"]
-    for name in ("cuda_graph_replay", "no_host_read_sync_debug"):
-        note(name, *(checks.cuda_only(name, kind) or ("SKIPPED", f"{name}: not implemented yet")))
+        progress(7, "CUDA-only checks")
+        kind = dev["kind"]
+        note("cuda_graph_replay", *(checks.cuda_only("cuda_graph_replay", kind)
+                                    or cuda_checks.graph_replay(engine)))
+        note("no_host_read_sync_debug", *(
+            checks.cuda_only("no_host_read_sync_debug", kind)
+            or cuda_checks.no_host_read(engine, lambda: checks.mixed_batch(engine, vocab))))
     nccl = checks.cuda_only("nccl_tp2", kind) or (
         ("SKIPPED", "nccl_tp2: run with PAIR=1") if args.tp == 1 else None)
     if nccl is None:

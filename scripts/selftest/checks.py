@@ -120,6 +120,15 @@ def sampled(engine, vocab: int) -> tuple[str, str]:
                     "one gave the same tokens beside other neighbours")
 
 
+def mixed_batch(engine, vocab: int) -> None:
+    """Greedy and seeded sampled requests whose prefills are chunked beside verify rows."""
+    p = prompts(GREEDY_LENGTHS, vocab, seed=4)
+    run_batch(engine, {
+        f"m{i}": (prompt, _params(GREEDY_TOKENS, temperature=0.8 * (i % 2), seed=i))
+        for i, prompt in enumerate(p)
+    })
+
+
 def step_times(engine, target, vocab: int) -> tuple[float, float, float]:
     """(plain decode step ms, DSpark step ms, tokens per DSpark step) on a decode batch.
 
