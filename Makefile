@@ -13,7 +13,10 @@ TINY_MODEL := models/tiny-dsv4-dspark
 CACHE := .cache
 # Serving sweep sized for the CPU tiny server; on a Spark pass your own, e.g.
 # BENCH_ARGS="--concurrency 1 4 16 --prompt-lens 256 2048 32768 --output-len 256".
-BENCH_ARGS ?= --concurrency 1 4 --prompt-lens 64 256 --output-len 32
+# On a Spark (docker/.env present) `make bench` sweeps inside the head container with the
+# second set: the Spark-sized default.
+BENCH_ARGS ?= $(if $(wildcard $(SPARK_ENV)),--concurrency 1 4 8 --prompt-lens 256 2048 --output-len 256,\
+  --concurrency 1 4 --prompt-lens 64 256 --output-len 32)
 # `make ab` configurations (default: DSpark vs no speculation, both started here).
 AB_ARGS ?=
 
@@ -86,7 +89,16 @@ upstream-tests: setup ## vLLM's own tests of the files the overlay patches, with
 mutation: setup ## mutation testing of the core modules (~20 min, not in `make test`): score per module, survivors; MODULES="a b" for some
 	$(PY) -m scripts.dev.mutation $(foreach m,$(MODULES),--module $(m))
 
-bench: setup ## micro-benchmarks; if a server answers on the profile port, the serving sweep on `vllm bench serve`
+bench: ## CPU: micro-benchmarks, and the serving sweep if `make serve` runs; Spark head: the sweep inside the container
+	@if [ -f $(SPARK_ENV) ]; then \
+	  out=/tmp/dspark-bench-$$$$; \
+	  $(COMPOSE) exec -T -e BENCH_DIR=$$out vllm /opt/dspark/docker/entrypoint.sh bench $(BENCH_ARGS) && \
+	  mkdir -p bench-results && $(COMPOSE) cp vllm:$$out/. bench-results/ && \
+	  echo ">> results copied to bench-results/"; \
+	else $(MAKE) --no-print-directory bench-cpu; fi
+
+.PHONY: bench-cpu
+bench-cpu: setup
 	$(PY) -m scripts.bench.ragged
 	$(PY) -m scripts.bench.packed_prefill
 	@port=$$($(PY) -m scripts.recipe render $(PROFILE) --as env | sed -n 's/^API_PORT=//p'); \

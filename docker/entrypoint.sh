@@ -15,6 +15,8 @@
 #   health                 Docker healthcheck: the head's /health answers 200 (the worker
 #                          reports the head's health: it serves nothing by itself).
 #   smoke                  one chat completion + /metrics spec-decode counters (python -m scripts.smoke).
+#   bench [ARGS...]        the serving sweep against the head's API (python -m scripts.bench),
+#                          results in BENCH_DIR (default /tmp/dspark-bench); `make bench` on the head.
 #   anything else          exec'd as given (e.g. bash).
 #
 # Environment: PROFILE (recipe profile name or path, default spark-2x), NODE_RANK, MASTER_ADDR,
@@ -414,6 +416,8 @@ main() {
         check-overlay) require_overlay ;;
         health) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.smoke --profile "$PROFILE" --host "$(head_host)" --health "$@" ;;
         smoke) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.smoke --profile "$PROFILE" --host "$(head_host)" "$@" ;;
+        bench) PYTHONPATH="$SCRIPTS_PATH" exec "$PYTHON" -m scripts.bench --profile "$PROFILE" --host "$(head_host)" \
+                   --out-dir "${BENCH_DIR:-/tmp/dspark-bench}" "$@" ;;
         # the overlay's DSpark on this GPU with the profile's settings (scripts/selftest)
         selftest)
             require_overlay

@@ -570,6 +570,7 @@ def pins_vars(pins: dict) -> dict[str, str]:
         "BASE_IMAGE": pins["spark_image"]["base"],
         "BASE_TAG": pins["spark_image"]["tag"],
         "TORCH_CUDA_ARCH_LIST": pins["spark_image"]["torch_cuda_arch_list"],
+        "BENCH_REQ": pins["spark_image"]["bench_req"],
     }
 
 

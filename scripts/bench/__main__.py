@@ -109,14 +109,15 @@ def default_stem(args: argparse.Namespace, kind: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__)
-    ap.add_argument("--base-url", help="server root (default: 127.0.0.1 at the profile's port)")
+    ap.add_argument("--base-url", help="server root (default: --host at the profile's port)")
+    ap.add_argument("--host", default="127.0.0.1", help="server address (default: %(default)s)")
     add_sweep_args(ap)
     args = ap.parse_args(argv)
     try:
         profile = recipe.load_profile(args.profile)
         check_args(args, profile)
         base_url = (args.base_url or
-                    f"http://127.0.0.1:{profile['serving']['port']}").rstrip("/")
+                    f"http://{args.host}:{profile['serving']['port']}").rstrip("/")
         stem = default_stem(args, "serving")
         result = measure(args, base_url, profile, stem)
     except (ValueError, recipe.RecipeError, urllib.error.URLError, OSError) as exc:

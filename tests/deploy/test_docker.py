@@ -903,6 +903,50 @@ def stub(ep):
         srv.server_close()
 
 
+def test_bench_runs_the_sweep_against_the_head(ep, tmp_path):
+    """`entrypoint.sh bench ARGS`: the sweep module, this node's profile and head, ARGS last."""
+    seen = tmp_path / "python-argv"
+    fake = tmp_path / "fake-python"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$@" > {seen}\n')
+    fake.chmod(0o755)
+    rc, out = ep.run("bench", "--concurrency", "1", "8", PYTHON=str(fake), BENCH_DIR="/tmp/b")
+    assert rc == 0, out
+    pythonpath, *argv = seen.read_text().splitlines()
+    assert str(REPO) in pythonpath.split(":")
+    assert argv == ["-m", "scripts.bench", "--profile", str(ep.profile_path), "--host",
+                    "127.0.0.1", "--out-dir", "/tmp/b", "--concurrency", "1", "8"]
+    rc, out = ep.run("bench", PYTHON=str(fake), NODE_RANK="1", MASTER_ADDR="10.0.0.1")
+    assert seen.read_text().splitlines()[5:9] == ["--host", "10.0.0.1", "--out-dir",
+                                                  "/tmp/dspark-bench"]
+
+
+def test_the_image_carries_what_the_sweep_imports(tmp_path):
+    """The files the Dockerfile copies under /opt/dspark, alone on the path, run the sweep's
+    entry point (its --help imports every module the sweep uses)."""
+    root = tmp_path / "opt-dspark"
+    text = DOCKERFILE.read_text()
+    for m in re.finditer(r"^COPY (?!--from)((?:[^\n\\]|\\\n)+)$", text, re.M):
+        *sources, dest = m.group(1).replace("\\\n", " ").split()
+        if not dest.startswith("/opt/dspark/"):
+            continue
+        target = root / dest.removeprefix("/opt/dspark/")
+        for src in sources:
+            src_path = REPO / src
+            if src_path.is_dir():
+                shutil.copytree(src_path, target, dirs_exist_ok=True)
+            else:
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src_path, target / src_path.name)
+    r = subprocess.run([sys.executable, "-c", "import scripts.bench.__main__ as m, "
+                        "scripts.bench.content as c; print(m.__file__); c.samples('code'); "
+                        "m.main(['--help'])"],
+                       cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith(str(root)), r.stdout
+    assert "--concurrency" in r.stdout
+
+
 def test_smoke_passes_against_a_drafting_server(ep, stub):
     stub("ok")
     rc, out = ep.run("smoke")
