@@ -10,6 +10,8 @@ PROFILE ?= cpu-tiny
 # OVERLAY_MODE= copies them, as the image and an existing install do.
 OVERLAY_MODE ?= --link
 TINY_MODEL := models/tiny-dsv4-dspark
+# The cpu-4x twin's checkpoint: the tiny one with four attention output groups, so TP=4 divides.
+TINY_TP4_MODEL := models/tiny-dsv4-dspark-tp4
 CACHE := .cache
 # Serving sweep sized for the CPU tiny server; on a Spark pass your own, e.g.
 # BENCH_ARGS="--concurrency 1 4 16 --prompt-lens 256 2048 32768 --output-len 256".
@@ -71,6 +73,11 @@ model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/, t
 	@[ -f $(TINY_MODEL)/config.json ] || $(PY) -m scripts.tiny.make_tiny_model --dspark --out $(TINY_MODEL)
 	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.train_tiny_draft --model $(TINY_MODEL)
 
+.PHONY: model-tp4
+model-tp4: setup ## the four-output-group tiny checkpoint the cpu-4x profile serves (TP=4), its draft trained (once)
+	@[ -f $(TINY_TP4_MODEL)/config.json ] || $(PY) -m scripts.tiny.make_tiny_model --dspark --o-groups 4 --out $(TINY_TP4_MODEL)
+	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.train_tiny_draft --model $(TINY_TP4_MODEL)
+
 demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
 	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m scripts.demo --model $(TINY_MODEL)
 
@@ -131,9 +138,10 @@ check: ## report whether the overlay is applied to the venv's vLLM
 # The two-Spark launch on this machine: two network namespaces as the two nodes, the real
 # docker/entrypoint.sh on each (needs root; README "Two Sparks").
 REHEARSE_ARGS ?= --faults
-rehearse: setup model ## the two-Spark launch for real on this machine (root): smoke, audit, load, faults, lossless
-	@if [ "$$(id -u)" = 0 ]; then $(PY) -m scripts.rehearse $(REHEARSE_ARGS); \
-	else echo ">> network namespaces need root: running it with sudo"; sudo $(PY) -m scripts.rehearse $(REHEARSE_ARGS); fi
+NODES ?= 2
+rehearse: setup model $(if $(filter 4,$(NODES)),model-tp4) ## the multi-Spark launch for real on this machine (root; NODES=4: four over a bridge): smoke, audit, load, faults, lossless
+	@if [ "$$(id -u)" = 0 ]; then $(PY) -m scripts.rehearse --nodes $(NODES) $(REHEARSE_ARGS); \
+	else echo ">> network namespaces need root: running it with sudo"; sudo $(PY) -m scripts.rehearse --nodes $(NODES) $(REHEARSE_ARGS); fi
 
 # ---- Two DGX Sparks (README "Two Sparks"); every target acts on this node ---------------
 SPARK_ENV ?= docker/.env

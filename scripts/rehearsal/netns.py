@@ -1,8 +1,9 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair (the fabric link).
+"""Several "hosts" on one machine: network namespaces joined by the fabric.
 
-Each namespace gets one end of the link with a private address (``10.199.x.1`` / ``.2``,
-MTU 9000 as on the Sparks' QSFP link) and its loopback; nothing is routed to or from the
-machine's own network. Commands run in a namespace through ``ip netns exec`` plus a private
+Two hosts are joined by one veth pair (the Sparks' direct QSFP link); more are joined by a
+bridge in a namespace of its own (the RoCE switch), one veth pair per host. Each host
+namespace gets its end with a private address (``10.199.x.1``, ``.2``, ...; MTU 9000 as on
+the Sparks' fabric) and its loopback; nothing is routed to or from the machine's own network. Commands run in a namespace through ``ip netns exec`` plus a private
 mount namespace with its own tmpfs ``/dev/shm``, so vLLM's shared-memory "same node" probe sees
 another node, as it would across two Sparks.
 """
@@ -60,30 +61,43 @@ def unavailable_reason() -> str | None:
 
 
 class Fabric:
-    """The two namespaces and their link; ``close()`` removes them (idempotent)."""
+    """The host namespaces and their fabric; ``close()`` removes them (idempotent).
 
-    def __init__(self, tag: str, subnet: int):
+    ``hosts[0]`` is the head, the others the workers by rank."""
+
+    def __init__(self, tag: str, subnet: int, nodes: int = 2):
+        if nodes < 2:
+            raise ValueError(f"nodes must be >= 2, got {nodes}")
         self.tag = tag
-        names = [f"dspark-{tag}-{role}" for role in ("head", "worker")]
-        ifnames = [f"dsp{tag}{role}"[:15] for role in ("h", "w")]
-        self.head, self.worker = (
-            Host(ns, ifname, f"10.199.{subnet}.{i + 1}")
-            for i, (ns, ifname) in enumerate(zip(names, ifnames, strict=True))
-        )
+        self.hosts = [
+            Host(f"dspark-{tag}-{'head' if i == 0 else f'worker{i}'}"[:40], f"dsp{tag}h{i}"[:15],
+                 f"10.199.{subnet}.{i + 1}")
+            for i in range(nodes)
+        ]  # fmt: skip
+        self.switch = f"dspark-{tag}-switch" if nodes > 2 else None
         self.created: list[str] = []
+
+    @property
+    def head(self) -> Host:
+        return self.hosts[0]
 
     def open(self) -> Fabric:
         reason = unavailable_reason()
         if reason:
             raise NamespacesUnavailable(reason)
         try:
-            for host in (self.head, self.worker):
+            for host in self.hosts:
                 _ip("netns", "add", host.netns)
                 self.created.append(host.netns)
                 _ip("-n", host.netns, "link", "set", "lo", "up")
-            _ip("link", "add", self.head.ifname, "type", "veth", "peer", "name", self.worker.ifname)
-            for host in (self.head, self.worker):
-                _ip("link", "set", host.ifname, "netns", host.netns)
+            if self.switch is None:
+                head, worker = self.hosts
+                _ip("link", "add", head.ifname, "type", "veth", "peer", "name", worker.ifname)
+                for host in self.hosts:
+                    _ip("link", "set", host.ifname, "netns", host.netns)
+            else:
+                self._switched()
+            for host in self.hosts:
                 _ip("-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", host.ifname)
                 _ip("-n", host.netns, "link", "set", host.ifname, "mtu", str(MTU), "up")
         except Exception:
@@ -91,8 +105,21 @@ class Fabric:
             raise
         return self
 
+    def _switched(self) -> None:
+        """A bridge in the switch namespace, one veth pair from each host to one of its ports."""
+        _ip("netns", "add", self.switch)
+        self.created.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        for i, host in enumerate(self.hosts):
+            port = f"dsp{self.tag}p{i}"[:15]
+            _ip("link", "add", host.ifname, "type", "veth", "peer", "name", port)
+            _ip("link", "set", host.ifname, "netns", host.netns)
+            _ip("link", "set", port, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "mtu", str(MTU), "master", "br0", "up")
+        _ip("-n", self.switch, "link", "set", "br0", "mtu", str(MTU), "up")
+
     def close(self) -> None:
-        """Delete the namespaces (the veth pair goes with them)."""
+        """Delete the namespaces (the veth pairs and the bridge go with them)."""
         while self.created:
             subprocess.run(["ip", "netns", "delete", self.created.pop()], capture_output=True)
 
@@ -104,13 +131,16 @@ class Fabric:
 
 
 class LoopbackFabric:
-    """The fallback where namespaces cannot be made: both nodes on this machine's loopback
-    (127.0.0.1 and 127.0.0.2 on ``lo``), sharing /dev/shm, so vLLM may take its same-node
+    """The fallback where namespaces cannot be made: every node on this machine's loopback
+    (127.0.0.1, 127.0.0.2, ... on ``lo``), sharing /dev/shm, so vLLM may take its same-node
     shared-memory path between them. Weaker than the namespaces; the caller says so."""
 
-    def __init__(self):
-        self.head = Host(None, "lo", "127.0.0.1")
-        self.worker = Host(None, "lo", "127.0.0.2")
+    def __init__(self, nodes: int = 2):
+        self.hosts = [Host(None, "lo", f"127.0.0.{i + 1}") for i in range(nodes)]
+
+    @property
+    def head(self) -> Host:
+        return self.hosts[0]
 
     def open(self) -> LoopbackFabric:
         return self

@@ -72,3 +72,42 @@ def test_process_tree_finds_children_and_grandchildren():
         for pid in reversed(process_tree(proc.pid)):
             subprocess.run(["kill", "-9", str(pid)])
         proc.wait()
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_fabric_joins_every_host_and_leaves_nothing(nodes):
+    """The rehearsal's fabric (root only): every worker and the head reach each other at MTU
+    9000 over the link (2) or the bridge (4); closing it deletes every namespace it made."""
+    import os
+    import sys
+
+    from scripts.rehearsal.netns import Fabric, unavailable_reason
+
+    if (reason := unavailable_reason()) is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    fabric = Fabric(f"t{os.getpid() % 10000}", subnet=250, nodes=nodes).open()
+    made = list(fabric.created)
+    try:
+        assert len(made) == nodes + (nodes > 2)
+        listen = ("import socket, sys; s = socket.socket(); "
+                  "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 5555)); "
+                  "s.listen(); print('ready', flush=True); c, _ = s.accept(); c.sendall(b'ok')")
+        ask = ("import socket, sys; c = socket.create_connection((sys.argv[1], 5555), timeout=5); "
+               "print(c.recv(2).decode())")
+        for server, client in [(fabric.head, w) for w in fabric.hosts[1:]] + \
+                              [(w, fabric.head) for w in fabric.hosts[1:]]:
+            srv = subprocess.Popen(server.wrap([sys.executable, "-c", listen, server.ip]),
+                                   stdout=subprocess.PIPE, text=True)
+            assert srv.stdout.readline().strip() == "ready"
+            r = subprocess.run(client.wrap([sys.executable, "-c", ask, server.ip]),
+                               capture_output=True, text=True, timeout=20)
+            srv.wait(10)
+            assert r.stdout.strip() == "ok", (server.ip, client.ip, r.stderr)
+        last = fabric.hosts[-1]
+        mtu = subprocess.run(last.wrap(["cat", f"/sys/class/net/{last.ifname}/mtu"]),
+                             capture_output=True, text=True).stdout.strip()
+        assert mtu == "9000"
+    finally:
+        fabric.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in made)
