@@ -63,6 +63,10 @@ DECODE_ROW_LIMITS: dict[str, int | None] = {
     "cpu": None,
 }
 
+# speculative.adaptive, and what the overlay's proposer is told (DSPARK_ADAPTIVE).
+ADAPTIVE_VALUES = (True, False, "auto")
+ADAPTIVE_ENV = {True: "on", "auto": "auto"}
+
 # DeepSeek-V4's chat features (serving.*). The parsers are the names vLLM 0.32.0 registers for
 # the model's DSML tool calls and <think> reasoning; "none" leaves the flag out. Without a
 # tool-call parser a request with `tools` is refused (400), without a reasoning parser the
@@ -165,9 +169,10 @@ SCHEMA: dict[str, Any] = {
         "checkpoint_block_size": Field(int, lo=1, hi=16),
         "draft_sample_method": Field(str, choices=("greedy", "probabilistic")),
         "runner": Field(str, choices=tuple(RUNNER_V2_FLAG)),
-        # Confidence-scheduled verification: verify only the drafts worth their rows
-        # (vLLM's enable_adaptive_verification; overlay/README.md "Adaptive verification").
-        "adaptive": Field(bool),
+        # Confidence-scheduled verification: verify only the drafts worth their rows, by a
+        # step-time table measured at start-up (overlay/README.md "Adaptive verification").
+        # auto: on where the table predicts a gain or a row budget binds; true: always on.
+        "adaptive": Field((bool, str), choices=ADAPTIVE_VALUES, describe="true, false or auto"),
     },
     "env": {},  # free-form NAME: value map, checked in _check_env
     # `make demo` only: a smaller prefill chunk, so its engine steps mix prefill chunks and
@@ -262,7 +267,7 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
         )
     if spec["method"] == "none":
         return
-    if spec["adaptive"] and spec["runner"] == "upstream" and srv["enforce_eager"]:
+    if spec["adaptive"] is True and spec["runner"] == "upstream" and srv["enforce_eager"]:
         problems.append(
             "speculative.adaptive: true on the upstream runner needs full CUDA graphs; "
             "set serving.enforce_eager: false"
@@ -275,7 +280,14 @@ def _check_combinations(p: dict, problems: list[str]) -> None:
         )
     rows = srv["max_num_seqs"] * (k + 1)
     limit = DECODE_ROW_LIMITS[srv["attention_backend"]]
-    if limit is not None and rows > limit:
+    if limit is not None and row_budget(p) is not None:
+        # The overlay's cut holds every step to the limit: only the requests must fit.
+        if srv["max_num_seqs"] > limit:
+            problems.append(
+                f"serving.max_num_seqs: {srv['max_num_seqs']} requests exceed the "
+                f"{srv['attention_backend']} decode-row limit of {limit} even with no drafts"
+            )
+    elif limit is not None and rows > limit:
         problems.append(
             f"serving.max_num_seqs: {srv['max_num_seqs']} x (k+1={k + 1}) = {rows} verify rows "
             f"exceeds the {srv['attention_backend']} decode-row limit of {limit}; "
@@ -413,6 +425,30 @@ def chat_argv(profile: dict) -> list[str]:
     return argv
 
 
+def adaptive_on(profile: dict) -> bool:
+    """vLLM's enable_adaptive_verification for this profile. ``auto`` on the overlay runner
+    turns it on and lets the proposer decide from its measured table; on the upstream
+    runner (V2 measures its table while capturing CUDA graphs) only with graphs."""
+    spec, srv = profile["speculative"], profile["serving"]
+    if spec["adaptive"] == "auto":
+        return spec["runner"] == "overlay" or not srv["enforce_eager"]
+    return bool(spec["adaptive"])
+
+
+def row_budget(profile: dict) -> int | None:
+    """The verify rows one step may carry, when the overlay's cut enforces it: the attention
+    backend's decode-row limit, with adaptive verification on the overlay runner under
+    synchronous scheduling. Under async scheduling the scheduler reserves a step's draft
+    slots before that step's drafts exist, so the cut lands one step late and cannot hold
+    a budget; there max_num_seqs x (k+1) must fit the limit by itself."""
+    spec, srv = profile["speculative"], profile["serving"]
+    limit = DECODE_ROW_LIMITS[srv["attention_backend"]]
+    if (limit is None or spec["method"] == "none" or spec["runner"] != "overlay"
+            or not adaptive_on(profile) or srv["async_scheduling"]):
+        return None
+    return limit
+
+
 def speculative_config(profile: dict) -> dict | None:
     spec = profile["speculative"]
     if spec["method"] == "none":
@@ -421,7 +457,7 @@ def speculative_config(profile: dict) -> dict | None:
         "method": spec["method"],
         "num_speculative_tokens": spec["num_speculative_tokens"],
         "draft_sample_method": spec["draft_sample_method"],
-        "enable_adaptive_verification": spec["adaptive"],
+        "enable_adaptive_verification": adaptive_on(profile),
     }
 
 
@@ -525,8 +561,16 @@ def serve_argv(
 
 
 def vllm_env(profile: dict) -> dict[str, str]:
-    """Variables vLLM itself reads that the profile decides (exported by every launcher)."""
-    return {"VLLM_USE_V2_MODEL_RUNNER": RUNNER_V2_FLAG[profile["speculative"]["runner"]]}
+    """Variables vLLM itself reads that the profile decides (exported by every launcher):
+    the runner, and for the overlay's adaptive verification its mode and row budget."""
+    spec = profile["speculative"]
+    env = {"VLLM_USE_V2_MODEL_RUNNER": RUNNER_V2_FLAG[spec["runner"]]}
+    if spec["method"] != "none" and spec["runner"] == "overlay" and adaptive_on(profile):
+        env["DSPARK_ADAPTIVE"] = ADAPTIVE_ENV[spec["adaptive"]]
+        budget = row_budget(profile)
+        if budget is not None:
+            env["DSPARK_VERIFY_ROW_BUDGET"] = str(budget)
+    return env
 
 
 def profile_env(profile: dict) -> dict[str, str]:

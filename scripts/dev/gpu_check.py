@@ -248,15 +248,18 @@ def check_adaptive_rule(device):
     eligible = torch.tensor([True, True, False, True, True, True])
     whole = torch.tensor([False, True, False, False, False, False])
     competing = eligible & ~whole
-    cost = adaptive.VerifyCost(0.05)
+    # A measured-looking step time: a fixed part plus 5% of it per verify row.
+    max_drafts = int((competing | whole).sum()) * k
+    step_ms = 1.0 + 0.05 * (rows + torch.arange(max_drafts + 1, dtype=torch.float32))
 
     def rule(dev):
         keep = adaptive.draft_budget_mask(
-            confidence.to(dev), competing.to(dev), num_eligible=int(competing.sum()),
-            base_rows=rows + k * int(whole.sum()), cost_table=cost.table(rows * (k + 1), dev),
-            whole=whole.to(dev),
+            confidence.to(dev), competing.to(dev), num_ranked=int((competing | whole).sum()),
+            num_whole_drafts=k * int(whole.sum()), max_drafts=max_drafts,
+            step_ms=step_ms.to(dev), min_gain=0.04, whole=whole.to(dev),
+            cutting=torch.zeros((), dtype=torch.bool, device=dev),
         )
-        return keep, adaptive.draft_budgets(keep, competing.to(dev))
+        return keep, adaptive.draft_budgets(keep, (competing | whole).to(dev))
 
     want_keep, want_budgets = rule(torch.device("cpu"))
     if device.type == "cuda":

@@ -1,15 +1,18 @@
-"""Adaptive verification's cut rule against a hand-written reference, and in the proposer.
+"""Adaptive verification's cut rule against a brute-force oracle, and in the proposer.
 
-The reference (``reference_counts``) is the rule written out in plain Python with float64
-arithmetic: rank every eligible draft slot by its survival (the running product of its
-request's confidences), try every budget ``b`` and keep the one with the best expected
-tokens per unit of cost. The device rule (``draft_budget_mask``: sort, cumsum, argmax,
-scatter) must admit exactly the same drafts per request.
+The oracle (``best_cut``) knows nothing of ranking: it tries every combination of
+per-request prefix lengths, prices each by the step-time table (expected tokens = one per
+ranked request plus the survivals of the verified drafts, over the table's time for that
+many rows), keeps the best and applies the minimum gain against verifying everything (or,
+under a row budget, against the best combination that fills the budget). The device rule
+(``draft_budget_mask``: sort, cumsum, argmax, scatter) must reach the same throughput with
+the same number of drafts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -18,62 +21,85 @@ import torch
 from vllm.v1.spec_decode.dspark.adaptive import (
     CUT,
     NO_BUDGET,
-    ROW_COST_ENV,
-    VerifyCost,
     apply_cut,
     draft_budget_mask,
     trim_cut,
 )
+from vllm.v1.spec_decode.dspark.cost_table import StepCostTable
 from vllm.v1.spec_decode.dspark.step_plan import DSparkStepInput
 
 
-def reference_counts(confidence, eligible, row_cost, whole=None):
-    """Per request, how many leading drafts the throughput-best budget verifies.
+def _survivals(confidence):
+    out = []
+    for row in confidence:
+        s, surv = 1.0, []
+        for c in row:
+            c = 0.0 if math.isnan(c) else min(max(c, 0.0), 1.0)
+            s *= c
+            surv.append(s)
+        out.append(surv)
+    return out
 
-    ``whole`` rows verify all k drafts: they add 1 + their survivals to the expected tokens
-    and k rows to the cost, and do not compete.
+
+def best_cut(confidence, eligible, step_ms, min_gain, whole=None, budget=None):
+    """Per request, how many leading drafts to verify, by trying every combination.
+
+    ``step_ms(rows)`` is the table's time for a step of ``rows`` verify rows (one per
+    request plus the drafts). ``whole`` rows keep all k drafts unless the budget cannot
+    hold them. Returns (counts, throughput of the choice).
     """
     rows, k = len(confidence), len(confidence[0])
     whole = whole or [False] * rows
-    slots, fixed_tokens, fixed_rows = [], 0.0, 0
-    for r in range(rows):
-        survival = 1.0
-        if whole[r]:
-            fixed_tokens, fixed_rows = fixed_tokens + 1.0, fixed_rows + k
-        for j in range(k):
-            c = confidence[r][j]
-            c = 0.0 if math.isnan(c) else min(max(c, 0.0), 1.0)
-            survival *= c
-            if whole[r]:
-                fixed_tokens += survival
-            elif eligible[r]:
-                slots.append((survival, r * k + j, r))
-    slots.sort(key=lambda s: (-s[0], s[1]))
-    requests = sum(e and not w for e, w in zip(eligible, whole, strict=True))
-    best, best_value = 0, -1.0
-    for b in range(len(slots) + 1):
-        tokens = requests + fixed_tokens + sum(s[0] for s in slots[:b])
-        value = tokens / (1.0 + row_cost * (rows + fixed_rows + b))
-        if value > best_value:
-            best, best_value = b, value
-    counts = [k if w else 0 for w in whole]
-    for _, _, r in slots[:best]:
-        counts[r] += 1
-    return counts
+    surv = _survivals(confidence)
+    ranked = [e or w for e, w in zip(eligible, whole, strict=True)]
+    tokens0 = float(sum(ranked))
+    cap = sum(ranked) * k if budget is None else min(sum(ranked) * k, max(budget - rows, 0))
+    need_whole = min(k * sum(whole), cap)
+
+    def value(counts):
+        tokens = tokens0 + sum(surv[r][j] for r in range(rows) for j in range(counts[r]))
+        return tokens / step_ms(rows + sum(counts))
+
+    choices = [range(k + 1) if ranked[r] else range(1) for r in range(rows)]
+    best, best_v, full_v = None, -1.0, -1.0
+    for counts in itertools.product(*choices):
+        total = sum(counts)
+        if total > cap:
+            continue
+        kept_whole = sum(c for c, w in zip(counts, whole, strict=True) if w)
+        if kept_whole < need_whole or (kept_whole < k * sum(whole) and total > kept_whole):
+            continue  # whole rows first: only a budget that cannot hold them cuts them
+        v = value(counts)
+        if total == cap:
+            full_v = max(full_v, v)
+        if v > best_v + 1e-9 or (abs(v - best_v) <= 1e-9 and total < sum(best)):
+            best, best_v = counts, v
+    if best_v >= (1.0 + min_gain) * full_v - 1e-9:
+        return list(best), best_v
+    return None, full_v  # full width (within the budget)
 
 
-def device_counts(confidence, eligible, row_cost, whole=None):
+def rule_counts(confidence, eligible, step_ms, min_gain, whole=None, budget=None, cutting=None):
+    """The device rule with the proposer's host numbers; counts per request."""
     conf = torch.tensor(confidence, dtype=torch.float32)
     rows, k = conf.shape
     whole_t = None if whole is None else torch.tensor(whole, dtype=torch.bool)
     competing = [e and not (whole and whole[r]) for r, e in enumerate(eligible)]
+    num_ranked = sum(competing) + sum(whole or [])
+    max_drafts = num_ranked * k
+    if budget is not None:
+        max_drafts = max(0, min(max_drafts, budget - rows))
+    table = torch.tensor([step_ms(rows + b) for b in range(max_drafts + 1)], dtype=torch.float32)
     keep = draft_budget_mask(
         conf,
         torch.tensor(competing, dtype=torch.bool),
-        num_eligible=sum(competing),
-        base_rows=rows + k * sum(whole or []),
-        cost_table=VerifyCost(row_cost).table(rows * (k + 1), "cpu"),
+        num_ranked=num_ranked,
+        num_whole_drafts=k * sum(whole or []),
+        max_drafts=max_drafts,
+        step_ms=table,
+        min_gain=min_gain,
         whole=whole_t,
+        cutting=cutting,
     )
     counts = keep.sum(1)
     # The admitted drafts of each request are a prefix (survival never grows along it).
@@ -81,78 +107,128 @@ def device_counts(confidence, eligible, row_cost, whole=None):
     return counts.tolist()
 
 
+def linear(fixed, per_row):
+    return lambda rows: fixed + per_row * rows
+
+
+def check_against_oracle(conf, eligible, step_ms, min_gain, whole=None, budget=None):
+    got = rule_counts(conf, eligible, step_ms, min_gain, whole, budget)
+    want, want_v = best_cut(conf, eligible, step_ms, min_gain, whole, budget)
+    surv = _survivals(conf)
+    ranked = [bool(e or (whole and whole[r])) for r, e in enumerate(eligible)]
+    tokens = sum(ranked) + sum(surv[r][j] for r in range(len(conf)) for j in range(got[r]))
+    got_v = tokens / step_ms(len(conf) + sum(got))
+    assert got_v == pytest.approx(want_v, rel=1e-5), (got, want)
+    if want is not None:
+        assert sum(got) == sum(want), (got, want)
+    if budget is not None:
+        assert len(conf) + sum(got) <= max(budget, len(conf))
+    return got
+
+
 def test_hand_computed_example():
-    """Survivals 0.9, 0.45 | 0.2, 0.18; cost 1 + 0.1 * rows over 2 base rows:
-    budgets 0..4 give 2/1.2, 2.9/1.3, 3.35/1.4 (best), 3.55/1.5, 3.73/1.6."""
+    """Survivals 0.9, 0.45 | 0.2, 0.18; step 1 + 0.1 x rows over 2 base rows:
+    budgets 0..4 give 2/1.2, 2.9/1.3, 3.35/1.4 (best), 3.55/1.5, 3.73/1.6; 3.35/1.4 beats
+    full width (3.73/1.6) by 2.6%: a cut at no minimum gain, none at 4%."""
     conf = [[0.9, 0.5], [0.2, 0.9]]
-    assert reference_counts(conf, [True, True], 0.1) == [2, 0]
-    assert device_counts(conf, [True, True], 0.1) == [2, 0]
+    cost = linear(1.0, 0.1)
+    assert rule_counts(conf, [True, True], cost, 0.0) == [2, 0]
+    assert rule_counts(conf, [True, True], cost, 0.04) == [2, 2]
+    assert best_cut(conf, [True, True], cost, 0.0)[0] == [2, 0]
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_batches_match_the_reference(seed):
+def _random_table(rng, rows_max):
+    """A measured-looking table: a fixed part, a per-row slope that changes at random
+    rows (tiles, expert sets), never decreasing."""
+    steps = np.maximum(rng.normal(0.04, 0.05, rows_max + 1), 0.0)
+    steps[rng.random(rows_max + 1) < 0.15] += rng.uniform(0.1, 0.6)
+    times = 1.0 + np.cumsum(steps)
+    return lambda rows: float(times[rows])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_batches_match_the_oracle(seed):
     rng = np.random.default_rng(seed)
-    rows, k = int(rng.integers(1, 9)), int(rng.integers(1, 6))
-    # Confidences as the trained head gives them (high first slot, falling after).
-    conf = rng.beta(2, 3, size=(rows, k)).round(3).tolist()
+    rows, k = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    conf = rng.beta(3, 2, size=(rows, k)).round(3).tolist()
     eligible = (rng.random(rows) < 0.8).tolist()
-    row_cost = float(rng.choice([0.0, 0.01, 0.05, 0.2, 1.0]))
-    want = reference_counts(conf, eligible, row_cost)
-    assert device_counts(conf, eligible, row_cost) == want
+    for min_gain in (0.0, 0.04):
+        check_against_oracle(conf, eligible, _random_table(rng, rows * (k + 1)), min_gain)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_whole_rows_keep_every_draft_and_weigh_in_the_budget(seed):
+def test_whole_rows_keep_every_draft_and_weigh_in(seed):
     """Seeded sampled requests: all k drafts verified, counted in tokens and rows."""
     rng = np.random.default_rng(100 + seed)
-    rows, k = int(rng.integers(2, 9)), int(rng.integers(1, 6))
-    conf = rng.beta(2, 3, size=(rows, k)).round(3).tolist()
+    rows, k = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+    conf = rng.beta(3, 2, size=(rows, k)).round(3).tolist()
     eligible = (rng.random(rows) < 0.8).tolist()
-    whole = [bool(e and w) for e, w in zip(eligible, rng.random(rows) < 0.4, strict=True)]
-    row_cost = float(rng.choice([0.0, 0.01, 0.05, 0.2]))
-    got = device_counts(conf, eligible, row_cost, whole)
-    assert got == reference_counts(conf, eligible, row_cost, whole)
+    whole = [bool(e and w) for e, w in zip(eligible, rng.random(rows) < 0.5, strict=True)]
+    got = check_against_oracle(conf, eligible, _random_table(rng, rows * (k + 1)), 0.0, whole)
     assert all(n == k for n, w in zip(got, whole, strict=True) if w)
 
 
-def test_a_whole_row_changes_what_the_others_get():
-    """Its expected tokens raise the step's throughput, so a marginal draft elsewhere that
-    was worth its row no longer is (row cost 0.2, hand-checked by the reference)."""
-    conf = [[0.9, 0.9], [0.5, 0.4]]
-    alone = reference_counts(conf, [False, True], 0.2)
-    with_whole = reference_counts(conf, [True, True], 0.2, whole=[True, False])
-    assert alone != with_whole
-    assert device_counts(conf, [False, True], 0.2) == alone
-    assert device_counts(conf, [True, True], 0.2, whole=[True, False]) == with_whole
+@pytest.mark.parametrize("seed", range(10))
+def test_row_budget_holds_and_cuts_the_lowest_survivals(seed):
+    """Under a budget smaller than full width: never more rows, whatever the gain, and the
+    throughput the oracle finds among the combinations that fit."""
+    rng = np.random.default_rng(200 + seed)
+    rows, k = int(rng.integers(2, 5)), int(rng.integers(2, 5))
+    conf = rng.beta(3, 2, size=(rows, k)).round(3).tolist()
+    whole = [bool(w) for w in rng.random(rows) < 0.3]
+    budget = int(rng.integers(rows, rows * (k + 1)))
+    table = _random_table(rng, rows * (k + 1))
+    for min_gain in (0.0, 0.04, 10.0):  # 10: no cut for gain, only for the budget
+        got = check_against_oracle(conf, [True] * rows, table, min_gain, whole, budget)
+        assert rows + sum(got) <= budget
 
 
-def test_rule_cuts_more_as_rows_get_dearer():
-    """A ragged batch in the middle, everything at zero cost, nothing when rows cost a lot."""
-    conf = [[0.95, 0.8, 0.3, 0.1], [0.6, 0.2, 0.9, 0.9], [0.1, 0.9, 0.9, 0.9]]
-    everyone = [True] * 3
-    assert device_counts(conf, everyone, 0.0) == [4, 4, 4]
-    middle = device_counts(conf, everyone, 0.05)
-    assert middle == reference_counts(conf, everyone, 0.05) and len(set(middle)) > 1
-    assert device_counts(conf, everyone, 50.0) == [0, 0, 0]
+def test_budget_smaller_than_the_whole_rows_cuts_them_too():
+    conf = [[0.9, 0.8, 0.7], [0.95, 0.9, 0.1]]
+    got = rule_counts(conf, [True, True], linear(1.0, 0.0), 0.04, whole=[True, True], budget=5)
+    assert sum(got) == 3 and got == [1, 2]  # survivals .9 .72 | .95 .855: the best three
+
+
+def test_min_gain_and_hysteresis():
+    """A cut promising between half the minimum and the minimum is made only while the
+    rule is already cutting; one promising more starts it, one promising less stops it."""
+    conf = [[0.9, 0.05]]
+    # Rows 1..3: 1 row (no draft) .. 3 rows (both). Expected tokens 1, 1.9, 1.945.
+    def table(extra):  # time of the 3-row step chosen so the 1-draft cut gains `extra`
+        t2 = 1.5
+        t3 = 1.945 / (1.9 / t2) * (1 + extra)
+        return lambda rows: {1: 10.0, 2: t2, 3: t3}[rows]
+
+    cutting = torch.zeros((), dtype=torch.bool)
+    assert rule_counts(conf, [True], table(0.03), 0.04, cutting=cutting) == [2]
+    assert not cutting
+    assert rule_counts(conf, [True], table(0.05), 0.04, cutting=cutting) == [1]
+    assert cutting
+    assert rule_counts(conf, [True], table(0.03), 0.04, cutting=cutting) == [1]  # holds
+    assert cutting
+    assert rule_counts(conf, [True], table(0.01), 0.04, cutting=cutting) == [2]  # stops
+    assert not cutting
 
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_edge_confidences(k):
     rows = 3
     ones, zeros = [[1.0] * k] * rows, [[0.0] * k] * rows
-    assert device_counts(ones, [True] * rows, 0.01) == [k] * rows
+    cost = linear(1.0, 0.05)
+    assert rule_counts(ones, [True] * rows, cost, 0.04) == [k] * rows
     # Confidence 0: nothing is worth a row, every request is cut to 0 drafts.
-    assert device_counts(zeros, [True] * rows, 0.01) == [0] * rows
+    assert rule_counts(zeros, [True] * rows, cost, 0.04) == [0] * rows
     # NaN confidence counts as 0: never admitted, and nothing NaN comes out.
     nan = [[float("nan")] * k, [1.0] * k, [0.5] * k]
-    assert device_counts(nan, [True] * rows, 0.01) == reference_counts(nan, [True] * rows, 0.01)
-    assert device_counts(nan, [True] * rows, 0.01)[0] == 0
+    got = check_against_oracle(nan, [True] * rows, cost, 0.0)
+    assert got[0] == 0
 
 
 def test_ineligible_rows_keep_nothing_and_an_all_prefill_batch_keeps_nothing():
     conf = [[1.0, 1.0], [0.9, 0.9], [1.0, 1.0]]
-    assert device_counts(conf, [True, False, False], 0.0) == [2, 0, 0]
-    assert device_counts(conf, [False, False, False], 0.0) == [0, 0, 0]
+    flat = linear(1.0, 0.0)
+    assert rule_counts(conf, [True, False, False], flat, 0.0) == [2, 0, 0]
+    assert rule_counts(conf, [False, False, False], flat, 0.0) == [0, 0, 0]
 
 
 def test_cut_marks_and_host_trim():
@@ -163,60 +239,26 @@ def test_cut_marks_and_host_trim():
     assert trim_cut(cut.tolist()) == [[5, 6], [], [11, 12, 13]]
 
 
-@pytest.mark.parametrize("raw", ["abc", "-0.5", "nan", "1000"])
-def test_row_cost_from_the_environment_is_checked(monkeypatch, raw):
-    monkeypatch.setenv(ROW_COST_ENV, raw)
-    with pytest.raises(ValueError, match=ROW_COST_ENV):
-        VerifyCost.from_env()
-
-
-def test_row_cost_default_and_value(monkeypatch):
-    monkeypatch.delenv(ROW_COST_ENV, raising=False)
-    assert VerifyCost.from_env() == VerifyCost()
-    monkeypatch.setenv(ROW_COST_ENV, "0.25")
-    assert VerifyCost.from_env().row_cost == 0.25
-    assert VerifyCost(0.25).table(3, "cpu").tolist() == [1.0, 1.25, 1.5, 1.75]
-
-
 def test_confidences_outside_zero_one_count_as_clamped():
     """The head's sigmoid stays in [0, 1]; anything else (a kernel's overshoot) is clamped,
     so a survival never exceeds 1 nor turns negative."""
     cases = [  # (confidences, the same clamped to [0, 1])
         ([[1.5, 1.5, 0.2], [-0.5, 1.0, 1.0], [0.7, 0.6, 0.5]],
          [[1.0, 1.0, 0.2], [0.0, 1.0, 1.0], [0.7, 0.6, 0.5]]),
-        ([[0.5, 1.9], [0.6, 0.5]], [[0.5, 1.0], [0.6, 0.5]]),  # 1.9 would admit differently
-        ([[-0.5, -0.5], [0.7, 0.6]], [[0.0, 0.0], [0.7, 0.6]]),  # (-0.5)^2 would rank high
+        ([[0.5, 1.9], [0.6, 0.5]], [[0.5, 1.0], [0.6, 0.5]]),
+        ([[-0.5, -0.5], [0.7, 0.6]], [[0.0, 0.0], [0.7, 0.6]]),
     ]
     for wild, clamped in cases:
-        for cost in (0.0, 0.02, 0.2, 0.4, 1.0):
-            want = reference_counts(clamped, [True] * len(wild), cost)
-            assert device_counts(wild, [True] * len(wild), cost) == want
+        for per_row in (0.0, 0.02, 0.2, 0.4, 1.0):
+            cost = linear(1.0, per_row)
+            assert rule_counts(wild, [True] * len(wild), cost, 0.0) == rule_counts(
+                clamped, [True] * len(wild), cost, 0.0)
 
 
 def test_a_real_token_zero_is_never_taken_for_the_cut():
     drafts = torch.tensor([[0, 0, 4], [0, 7, 0]], dtype=torch.int32)
     keep = torch.tensor([[True, True, False], [True, True, True]])
     assert trim_cut(apply_cut(drafts, keep).tolist()) == [[0, 0], [0, 7, 0]]
-
-
-def test_default_row_cost_is_the_documented_one(monkeypatch):
-    from scripts import recipe
-
-    monkeypatch.delenv(ROW_COST_ENV, raising=False)
-    line = next(ln for ln in (recipe.REPO / "README.md").read_text().splitlines()
-                if f"`{ROW_COST_ENV}`" in ln)
-    documented = float(line.split("default ")[1].split(";")[0].split(")")[0])
-    assert VerifyCost.from_env().row_cost == documented
-
-
-def test_row_cost_bounds_and_immutability():
-    assert VerifyCost(0.0).row_cost == 0.0 and VerifyCost(100.0).row_cost == 100.0
-    for bad in (-1e-9, 100.001, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match=ROW_COST_ENV):
-            VerifyCost(bad)
-    cost = VerifyCost(0.5)
-    with pytest.raises(AttributeError):
-        cost.row_cost = 200.0  # every rank's cut depends on it: fixed once made
 
 
 # --------------------------------------------------------------- in the proposer
@@ -250,39 +292,87 @@ def _step_inputs(proposer, seed):
     )
 
 
-@pytest.mark.parametrize("row_cost", ["0.0", "0.05", "100"])
-def test_proposer_cuts_the_fixed_k_drafts_as_the_rule_says(env, monkeypatch, row_cost):
-    """Same step, fixed k vs adaptive: adaptive returns a prefix of the same drafts per
-    request, as long as the reference rule admits on the step's confidences."""
+def linear_table(per_row, fixed=1.0, requests=(1, 2, 4), k=4, budget=None):
+    """A StepCostTable whose times are ``fixed + per_row x rows`` at every grid point (so
+    its interpolation is exact at every request count)."""
+    ms = tuple(tuple(fixed + per_row * r * (w + 1) for w in range(k + 1)) for r in requests)
+    return StepCostTable(tuple(requests), ms, budget)
+
+
+def _adaptive_proposer(env, monkeypatch, table, *, mode="on", min_gain=0.0, budget=None):
     from tests.support.tiny import make_proposer
 
     draft, vc = env
-    monkeypatch.setenv(ROW_COST_ENV, row_cost)
+    monkeypatch.setenv("DSPARK_ADAPTIVE", mode)
+    if budget is None:
+        monkeypatch.delenv("DSPARK_VERIFY_ROW_BUDGET", raising=False)
+    else:
+        monkeypatch.setenv("DSPARK_VERIFY_ROW_BUDGET", str(budget))
+    proposer = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    if table is not None:
+        proposer.use_cost_table(table, min_gain=min_gain)
+    return proposer
+
+
+def _counts(drafts):
+    return [(row.tolist() + [CUT]).index(CUT) for row in drafts]
+
+
+@pytest.mark.parametrize("per_row", [0.0, 0.05, 100.0])
+def test_proposer_cuts_the_fixed_k_drafts_as_the_oracle_says(env, monkeypatch, per_row):
+    """Same step, fixed k vs adaptive: adaptive returns a prefix of the same drafts per
+    request, as many as the brute-force oracle finds best on the step's confidences."""
+    from tests.support.tiny import make_proposer
+
+    draft, vc = env
     fixed = make_proposer(draft, vc, max_num_seqs=4)
-    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    table = linear_table(per_row)
+    adaptive = _adaptive_proposer(env, monkeypatch, table)
     want_drafts = fixed.propose(_step_inputs(fixed, 3))
     got = adaptive.propose(_step_inputs(adaptive, 3))
     confidence = adaptive.last_confidence.float()
     # Same weights, same inputs, same batch shape in one process: the same kernels run, so the
     # confidences are equal bit for bit (adaptive adds work after the block, not inside it).
     torch.testing.assert_close(confidence, fixed.last_confidence.float(), rtol=0, atol=0)
-    counts = reference_counts(confidence.tolist(), [True, False, True], float(row_cost))
+    counts = _counts(got)
+    want, _ = best_cut(confidence.tolist(), [True, False, True],
+                       lambda rows: table.step_ms(3, rows), 0.0)
+    assert sum(counts) == sum(want) and counts[1] == 0  # prefill drafts never admitted
     for r, n in enumerate(counts):
         assert got[r, :n].tolist() == want_drafts[r, :n].tolist()
-        assert got[r, n:].tolist() == [CUT] * (got.shape[1] - n)
-    assert counts[1] == 0  # the prefill chunk's drafts are never admitted
+
+
+def test_no_cut_without_a_table_and_auto_off_on_a_flat_one(env, monkeypatch):
+    """Never trim without a table; ``auto`` leaves the rule off where no row costs
+    anything (no cut can gain), ``on`` runs it, and a binding row budget turns it on."""
+    from tests.support.tiny import make_proposer
+
+    draft, vc = env
+    fixed = make_proposer(draft, vc, max_num_seqs=4)
+    want = fixed.propose(_step_inputs(fixed, 3))
+    untabled = _adaptive_proposer(env, monkeypatch, None)
+    assert not untabled.rule_on
+    assert torch.equal(untabled.propose(_step_inputs(untabled, 3)), want)
+    flat = linear_table(0.0)
+    auto = _adaptive_proposer(env, monkeypatch, flat, mode="auto", min_gain=0.04)
+    assert not auto.rule_on
+    assert torch.equal(auto.propose(_step_inputs(auto, 3)), want)
+    assert _adaptive_proposer(env, monkeypatch, flat, mode="on").rule_on
+    assert _adaptive_proposer(env, monkeypatch, linear_table(0.05), mode="auto").rule_on
+    budgeted = _adaptive_proposer(env, monkeypatch, linear_table(0.0, budget=8), mode="auto",
+                                  min_gain=0.04, budget=8)
+    assert budgeted.rule_on
+    assert 3 + sum(_counts(budgeted.propose(_step_inputs(budgeted, 3)))) <= 8
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_seeded_sampled_requests_keep_every_draft(env, monkeypatch, async_scheduling):
     """A seeded sampled request is never cut (its output must not depend on its neighbours);
-    the greedy one is cut as the reference says, with the seeded one weighing in."""
-    from tests.support.tiny import make_proposer
-
+    the greedy one is cut as the oracle says, with the seeded one weighing in."""
     draft, vc = env
-    monkeypatch.setenv(ROW_COST_ENV, "0.2")
     monkeypatch.setattr(vc.scheduler_config, "async_scheduling", async_scheduling)
-    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    table = linear_table(0.2)
+    adaptive = _adaptive_proposer(env, monkeypatch, table)
     k = adaptive.num_speculative_tokens
     inputs = dataclasses.replace(
         _step_inputs(adaptive, 3),
@@ -292,43 +382,43 @@ def test_seeded_sampled_requests_keep_every_draft(env, monkeypatch, async_schedu
     )
     got = adaptive.propose(inputs)
     confidence = adaptive.last_confidence.float().tolist()
-    counts = reference_counts(confidence, [True, False, True], 0.2, whole=[True, False, False])
-    assert counts[0] == k
+    cost = lambda rows: table.step_ms(3, rows)  # noqa: E731
+    want, _ = best_cut(confidence, [False, False, True], cost, 0.0, whole=[True, False, False])
     if async_scheduling:
-        assert adaptive.take_draft_budgets().tolist() == [NO_BUDGET, NO_BUDGET, counts[2]]
+        budgets = adaptive.take_draft_budgets().tolist()
+        assert budgets == [k, NO_BUDGET, want[2]]
         assert CUT not in got.tolist()[0]
     else:
-        assert [(row.tolist() + [CUT]).index(CUT) for row in got] == [k, 0, counts[2]]
+        assert _counts(got) == [k, 0, want[2]]
     # Unseeded, the same sampled request competes like any other.
-    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    adaptive = _adaptive_proposer(env, monkeypatch, table)
     got = adaptive.propose(dataclasses.replace(inputs, request_seeds=[None, None, None]))
-    counts = reference_counts(adaptive.last_confidence.float().tolist(), [True, False, True], 0.2)
-    if async_scheduling:
-        assert adaptive.take_draft_budgets().tolist() == [counts[0], NO_BUDGET, counts[2]]
-    else:
-        assert [(row.tolist() + [CUT]).index(CUT) for row in got] == counts
+    want, _ = best_cut(adaptive.last_confidence.float().tolist(), [True, False, True], cost, 0.0)
+    counts = adaptive.take_draft_budgets().tolist() if async_scheduling else _counts(got)
+    assert counts[1] in (0, NO_BUDGET) and counts[0] + counts[2] == sum(want)
 
 
-@pytest.mark.parametrize("row_cost", ["0.0", "0.05"])
-def test_async_scheduling_gets_budgets_instead_of_cut_drafts(env, monkeypatch, row_cost):
+@pytest.mark.parametrize("per_row", [0.0, 0.05])
+def test_async_scheduling_gets_budgets_instead_of_cut_drafts(env, monkeypatch, per_row):
     """Async scheduling: the drafts stay whole (the runner feeds them to the next step as
     scheduled) and the rule's per-request counts come back as budgets, -1 for prefill."""
     from tests.support.tiny import make_proposer
 
     draft, vc = env
-    monkeypatch.setenv(ROW_COST_ENV, row_cost)
     fixed = make_proposer(draft, vc, max_num_seqs=4)
     monkeypatch.setattr(vc.scheduler_config, "async_scheduling", True)
-    adaptive = make_proposer(draft, vc, max_num_seqs=4, adaptive=True)
+    table = linear_table(per_row)
+    adaptive = _adaptive_proposer(env, monkeypatch, table)
     want_drafts = fixed.propose(_step_inputs(fixed, 3))
     got = adaptive.propose(_step_inputs(adaptive, 3))
     assert torch.equal(got, want_drafts)
     assert fixed.take_draft_budgets() is None
     budgets = adaptive.take_draft_budgets()
     assert budgets.dtype == torch.int32 and adaptive.take_draft_budgets() is None
-    counts = reference_counts(adaptive.last_confidence.float().tolist(), [True, False, True],
-                              float(row_cost))
-    assert budgets.tolist() == [counts[0], NO_BUDGET, counts[2]]
+    want, _ = best_cut(adaptive.last_confidence.float().tolist(), [True, False, True],
+                       lambda rows: table.step_ms(3, rows), 0.0)
+    budgets = budgets.tolist()
+    assert budgets[1] == NO_BUDGET and budgets[0] + budgets[2] == sum(want)
 
 
 def test_budgets_reach_the_scheduler_with_the_step_output():
@@ -379,11 +469,13 @@ def _profile(name: str, **speculative) -> dict:
 @pytest.mark.parametrize(
     "name,speculative,serving,message",
     [
-        ("cpu-tiny", {"adaptive": "yes"}, {}, "speculative.adaptive: expected bool, got str"),
+        ("cpu-tiny", {"adaptive": "yes"}, {},
+         "speculative.adaptive: 'yes' is not allowed; expected true, false or auto"),
+        ("cpu-tiny", {"adaptive": 1}, {}, "speculative.adaptive: expected true, false or auto"),
         ("spark-2x-upstream", {"adaptive": True}, {"enforce_eager": True},
          "speculative.adaptive: true on the upstream runner needs full CUDA graphs"),
     ],
-    ids=["not a bool", "upstream eager"],
+    ids=["not a choice", "not a bool", "upstream eager"],
 )
 def test_recipe_rejects_bad_adaptive_settings(name, speculative, serving, message):
     from scripts import recipe
@@ -395,6 +487,19 @@ def test_recipe_rejects_bad_adaptive_settings(name, speculative, serving, messag
     assert message in str(err.value)
 
 
+def test_every_shipped_profile_defaults_to_auto():
+    from scripts import recipe
+
+    for name in recipe.list_profiles():
+        profile = recipe.load_profile(name)
+        assert profile["speculative"]["adaptive"] == "auto", name
+        assert recipe.engine_args(profile)["speculative_config"][
+            "enable_adaptive_verification"] is True
+        env = recipe.vllm_env(profile)
+        overlay = profile["speculative"]["runner"] == "overlay"
+        assert env.get("DSPARK_ADAPTIVE") == ("auto" if overlay else None), name
+
+
 def test_adaptive_with_async_scheduling_is_a_valid_spark_setting():
     from scripts import recipe
 
@@ -403,6 +508,19 @@ def test_adaptive_with_async_scheduling_is_a_valid_spark_setting():
     args = recipe.engine_args(profile)
     assert args["async_scheduling"] is True
     assert args["speculative_config"]["enable_adaptive_verification"] is True
+    assert recipe.vllm_env(profile)["DSPARK_ADAPTIVE"] == "on"
+
+
+def test_auto_on_the_upstream_runner_follows_cuda_graphs():
+    """V2 measures its own table while capturing graphs: eager, auto means off."""
+    from scripts import recipe
+
+    graphs = recipe.validate(_profile("spark-2x-upstream", adaptive="auto"))
+    assert recipe.speculative_config(graphs)["enable_adaptive_verification"] is True
+    eager = _profile("spark-2x-upstream", adaptive="auto")
+    eager["serving"]["enforce_eager"] = True
+    recipe.validate(eager)
+    assert recipe.speculative_config(eager)["enable_adaptive_verification"] is False
 
 
 def test_recipe_knob_is_rendered_as_vllms_own_field():
@@ -410,13 +528,15 @@ def test_recipe_knob_is_rendered_as_vllms_own_field():
 
     from scripts import recipe
 
-    for adaptive in (False, True):
+    for adaptive, enabled, mode in ((False, False, None), (True, True, "on"),
+                                    ("auto", True, "auto")):
         profile = recipe.validate(_profile("cpu-tiny", adaptive=adaptive))
         spec = recipe.engine_args(profile)["speculative_config"]
-        assert spec["enable_adaptive_verification"] is adaptive
+        assert spec["enable_adaptive_verification"] is enabled
         argv = recipe.serve_argv(profile)
         rendered = json.loads(argv[argv.index("--speculative-config") + 1])
-        assert rendered["enable_adaptive_verification"] is adaptive
+        assert rendered["enable_adaptive_verification"] is enabled
+        assert recipe.vllm_env(profile).get("DSPARK_ADAPTIVE") == mode
     missing = _profile("cpu-tiny")
     del missing["speculative"]["adaptive"]
     with pytest.raises(recipe.RecipeError, match="speculative.adaptive: missing"):

@@ -161,6 +161,7 @@ def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(
     scheduling its budgets are handed to the step's output instead of cutting drafts.
     """
     import vllm.v1.spec_decode.dspark.metrics as dm
+    from vllm.v1.spec_decode.dspark.cost_table import StepCostTable
 
     from tests.support.tiny import build_draft, ensure_tiny_model, make_proposer
 
@@ -168,10 +169,13 @@ def test_whole_engine_step_with_metrics_on_reads_nothing_from_the_device(
     monkeypatch.setattr(dm, "_exporter", None)
     monkeypatch.setattr(dm, "_checked", False)
     draft, vc = build_draft(ensure_tiny_model())
-    monkeypatch.setenv("DSPARK_VERIFY_ROW_COST", "0.05")  # a cut in between: ragged drafts
     monkeypatch.setattr(vc.scheduler_config, "async_scheduling", async_scheduling)
     proposer = make_proposer(draft, vc, max_num_seqs=4, adaptive=adaptive)
     proposer.vllm_config = vc
+    if adaptive:  # a verify row at 5% of the fixed step time: a cut in between, ragged drafts
+        k = proposer.num_speculative_tokens
+        ms = tuple(tuple(1.0 + 0.05 * r * (w + 1) for w in range(k + 1)) for r in (1, 2, 4))
+        proposer.use_cost_table(StepCostTable((1, 2, 4), ms), min_gain=0.0)
     k = proposer.num_speculative_tokens
     # (requests, rows, drafts verified, rows rejected): prefill, flat verify, ragged mix.
     steps = [(["a", "b"], [7, 3], [0, 0], [0, 0])]

@@ -195,7 +195,10 @@ def test_shipped_profiles_choose_the_overlay_runner():
     # vLLM 0.32.0 on CUDA picks V2 (upstream DSpark) when the variable is unset, so the shipped
     # spark profile must say 0 explicitly for the overlay to run at all; CPU has no V2.
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in cli("render", "spark-2x", "--as", "env").stdout
-    assert recipe.vllm_env(recipe.load_profile("cpu-tiny")) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert recipe.vllm_env(recipe.load_profile("cpu-tiny")) == {
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+        "DSPARK_ADAPTIVE": "auto",  # adaptive verification's mode (speculative.adaptive)
+    }
 
 
 def test_upstream_runner_needs_cuda():

@@ -32,6 +32,7 @@ feed it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -48,12 +49,8 @@ from vllm.models.deepseek_v4.common.dspark.model import (
     load_dspark_draft,
 )
 from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
-from vllm.v1.spec_decode.dspark.adaptive import (
-    VerifyCost,
-    apply_cut,
-    draft_budget_mask,
-    draft_budgets,
-)
+from vllm.v1.spec_decode.dspark import cost_table
+from vllm.v1.spec_decode.dspark.adaptive import apply_cut, draft_budget_mask, draft_budgets
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.graphs import (
@@ -118,8 +115,18 @@ class DSparkProposer:
             getattr(vllm_config.scheduler_config, "async_scheduling", False)
         )
         self._draft_budgets: torch.Tensor | None = None
-        self.verify_cost = VerifyCost.from_env() if self.adaptive else None
-        self._cost_table: torch.Tensor | None = None
+        # The rule reads a step-time table measured on this engine (cost_table): until one
+        # is in place nothing is cut. "auto" runs the rule only where the table says a cut
+        # can pay (or a row budget binds); "on" whenever there is a table.
+        self.adaptive_mode = cost_table.env_mode() if self.adaptive else "off"
+        self.row_budget = cost_table.env_row_budget() if self.adaptive else None
+        self.min_gain = cost_table.DEFAULT_MIN_GAIN
+        self.cost_table: cost_table.StepCostTable | None = None
+        self.rule_on = False  # the cut runs each step (decided once the table is in place)
+        self._step_ms: torch.Tensor | None = None  # [S+1, rows+1] table on the device
+        self._cutting: torch.Tensor | None = None  # hysteresis state (device bool scalar)
+        self._table_tried = False
+        self._measuring = False
         self.dtype = vllm_config.model_config.dtype
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.slot_table = SlotTable(self.max_num_seqs)
@@ -197,14 +204,11 @@ class DSparkProposer:
         stacked = self.kv_cache.view(-1, self.window, self.num_layers, self.head_dim)
         self._layer_caches = list(stacked.unbind(2))
         self._block_offsets = torch.arange(self.num_speculative_tokens, device=self.device)
-        if self.verify_cost is not None:
-            if getattr(model, "confidence_head", None) is None:
-                raise ValueError(
-                    "enable_adaptive_verification needs the draft's confidence head "
-                    "(mtp.*.confidence_head.proj), which this checkpoint does not have"
-                )
-            max_rows = self.max_num_seqs * (self.num_speculative_tokens + 1)
-            self._cost_table = self.verify_cost.table(max_rows, self.device)
+        if self.adaptive and getattr(model, "confidence_head", None) is None:
+            raise ValueError(
+                "enable_adaptive_verification needs the draft's confidence head "
+                "(mtp.*.confidence_head.proj), which this checkpoint does not have"
+            )
         if draft_graphs_wanted(self.vllm_config, self.device):
             self.use_draft_graphs()
 
@@ -238,7 +242,7 @@ class DSparkProposer:
         """Profile/warm-up pass (one block of the smallest draft size, reading only the
         scratch row, and one draw of sampling noise); in vLLM's capture phase, captures the
         draft block's graphs."""
-        if self.model is None or self.kv_cache is None:
+        if self.model is None or self.kv_cache is None or self._measuring:
             return
         if is_graph_capturing and self.graphs is not None:
             try:
@@ -317,7 +321,7 @@ class DSparkProposer:
                 )
                 noise = self.draw_race_noise(seeds, anchor_pos)
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
-            if self._cost_table is not None:
+            if self.rule_on:
                 drafts = self._cut(plan, drafts)
         self._count(plan, num_rejected)
         return drafts.to(torch.int32)
@@ -351,27 +355,161 @@ class DSparkProposer:
     def _cut(self, plan: StepPlan, drafts: torch.Tensor) -> torch.Tensor:
         """Drafts past each request's verification budget replaced by ``CUT`` (device).
 
-        Under async scheduling the drafts stay whole (the scheduler already reserved the
-        next step's slots) and the per-request budgets wait for the step's output.
+        The next step has one row per request of this one plus the admitted drafts; the
+        table's times for this request count are sliced on the device by host ints. Under
+        async scheduling the drafts stay whole (the scheduler already reserved the next
+        step's slots) and the per-request budgets wait for the step's output.
         """
-        num_reqs = plan.num_requests
+        num_reqs, k = plan.num_requests, self.num_speculative_tokens
+        num_ranked = num_reqs - plan.num_discarded
+        max_drafts = num_ranked * k
+        if self.row_budget is not None:
+            max_drafts = max(0, min(max_drafts, self.row_budget - num_reqs))
         with torch.inference_mode():
             whole = plan.never_cut[:num_reqs].bool() if plan.num_never_cut else None
-            eligible = plan.drafting[:num_reqs].bool()
-            if whole is not None:
-                eligible = eligible & ~whole
+            drafting = plan.drafting[:num_reqs].bool()
+            eligible = drafting if whole is None else drafting & ~whole
             keep = draft_budget_mask(
                 self.last_confidence,
                 eligible,
-                num_eligible=num_reqs - plan.num_discarded - plan.num_never_cut,
-                base_rows=num_reqs + plan.num_never_cut * self.num_speculative_tokens,
-                cost_table=self._cost_table,
+                num_ranked=num_ranked,
+                num_whole_drafts=plan.num_never_cut * k,
+                max_drafts=max_drafts,
+                step_ms=self._step_ms[num_reqs, num_reqs : num_reqs + max_drafts + 1],
+                min_gain=self.min_gain,
                 whole=whole,
+                cutting=self._cutting,
             )
             if not self.async_scheduling:
                 return apply_cut(drafts, keep)
-            self._draft_budgets = draft_budgets(keep, eligible)
+            self._draft_budgets = draft_budgets(keep, drafting)
             return drafts
+
+    # ------------------------------------------------------------ cost table
+
+    def use_cost_table(
+        self, table: cost_table.StepCostTable, min_gain: float = cost_table.DEFAULT_MIN_GAIN
+    ) -> None:
+        """Cut by ``table`` from now on (adaptive only) and decide whether the rule runs.
+
+        ``auto`` runs it when some request count's verify rows cost at least ``min_gain``
+        of its step (below that no cut can pay) or when full width can pass the row budget.
+        """
+        if not self.adaptive:
+            raise ValueError("use_cost_table needs enable_adaptive_verification")
+        k = self.num_speculative_tokens
+        self.cost_table, self.min_gain = table, float(min_gain)
+        max_rows = self.max_num_seqs * (k + 1)
+        matrix = table.matrix(self.max_num_seqs, max_rows)
+        self._step_ms = torch.from_numpy(matrix).to(self.device)
+        self._cutting = torch.zeros((), dtype=torch.bool, device=self.device)
+        budget_binds = self.row_budget is not None and max_rows > self.row_budget
+        gain = table.max_gain(self.max_num_seqs)
+        self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
+        logger.info(
+            "DSpark adaptive verification (%s): step time in ms by requests and drafts per "
+            "request (measured in %.1f s)\n%s\nmost a cut could gain: %.1f%% (min %.0f%%), "
+            "row budget %s: the cut %s",
+            self.adaptive_mode, table.measure_seconds, table.describe(), 100 * gain,
+            100 * self.min_gain, self.row_budget,
+            "runs every step" if self.rule_on else "is off (no gain to make)",
+        )
+
+    def prepare_cost_table(self, runner) -> None:
+        """Once per engine, before its first step: read this engine's table from the cache
+        or measure it with ``runner``'s dummy forwards, then ``use_cost_table``.
+
+        Every TP rank runs the measurement (the forwards are collective); rank 0 decides
+        whether to measure and its table is the one all ranks use.
+        """
+        if not self.adaptive or self._table_tried or self.cost_table is not None:
+            return
+        self._table_tried = True
+        rank, _ = self._tp_rank_group()
+        path = cost_table.cache_path(cost_table.table_key(self._table_settings()))
+        table = cost_table.read_cached(path) if rank == 0 else None
+        need = table is None
+        if self.tp_size > 1:
+            from vllm.distributed import get_tp_group
+
+            need = get_tp_group().broadcast_object(need, src=0)
+        if need:
+            max_rows = min(self.max_num_seqs * (self.num_speculative_tokens + 1),
+                           int(runner.max_num_tokens))
+            self._measuring = True
+            try:
+                table = cost_table.measure(
+                    lambda r, w: self._time_point(runner, r, w),
+                    self.draft_sizes,
+                    self.num_speculative_tokens,
+                    row_budget=self.row_budget,
+                    max_rows=max_rows,
+                )
+            finally:
+                self._measuring = False
+            if rank == 0:
+                cost_table.write_cached(path, table)
+        if self.tp_size > 1:
+            from vllm.distributed import get_tp_group
+
+            text = get_tp_group().broadcast_object(table.to_json() if rank == 0 else None, src=0)
+            table = cost_table.StepCostTable.from_json(text)
+        logger.info("DSpark cost table %s: %s", "measured" if need else "read", path)
+        self.use_cost_table(table)
+
+    def _table_settings(self) -> dict:
+        """What the measured table depends on (its cache key)."""
+        import vllm
+
+        vc = self.vllm_config
+        mc = vc.model_config
+        return {
+            "model": mc.model, "revision": mc.revision, "dtype": str(mc.dtype),
+            "kv_cache_dtype": vc.cache_config.cache_dtype, "tp": self.tp_size,
+            "device": cost_table.device_name(self.device.type),
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "max_model_len": self.max_model_len, "k": self.num_speculative_tokens,
+            "row_budget": self.row_budget, "sampling": self.probabilistic,
+            "attention": str(getattr(getattr(vc, "attention_config", None), "backend", None)),
+            "vllm": vllm.__version__,
+        }
+
+    def _time_point(self, runner, requests: int, width: int) -> float:
+        """ms of one verify step's work with ``requests`` requests of ``width`` drafts: the
+        target forward (random ids, a context per request), every row's logits, and the
+        draft block at this request count."""
+        from vllm.config import CUDAGraphMode
+
+        rows = requests * (width + 1)
+        context = min(self.max_model_len, 1024)
+        uniform = runner.uniform_decode_query_len
+        runner.uniform_decode_query_len = width + 1  # R requests of width + 1 rows each
+        try:
+            start = time.perf_counter()
+            hidden, _ = runner._dummy_run(
+                rows, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                uniform_decode=True, skip_eplb=True, randomize_inputs=True,
+                profile_seq_lens=context,
+            )
+            with torch.inference_mode():
+                runner.model.compute_logits(hidden[:rows])
+                self._dummy_block(next(s for s in self.draft_sizes if s >= requests))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - start) * 1e3
+        finally:
+            runner.uniform_decode_query_len = uniform
+
+    def _dummy_block(self, rows: int) -> None:
+        """One draft block of ``rows`` rows reading only the scratch ring row."""
+        from vllm.forward_context import set_forward_context
+
+        slots = torch.full((rows,), self.max_num_seqs, dtype=torch.int64, device=self.device)
+        anchors = torch.full((rows,), self.noise_token_id, dtype=torch.int64, device=self.device)
+        zero = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        with torch.inference_mode(), set_forward_context(None, self.vllm_config):
+            self._run_block(slots, anchors, zero, None, None)
 
     def plan(self, req_ids: list[str], step: DSparkStepInput) -> StepPlan:
         """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy.

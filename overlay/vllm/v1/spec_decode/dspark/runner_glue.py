@@ -2,7 +2,7 @@
 
 ``before_step`` runs from the overlay's patch of ``GPUModelRunner._update_states`` on every
 step, scheduled or not: it frees the ring rows of requests that left and publishes the
-metrics. ``propose_from_runner`` runs from the patch of ``propose_draft_token_ids`` right
+metrics; on the first step, it also gets adaptive verification its step-time table. ``propose_from_runner`` runs from the patch of ``propose_draft_token_ids`` right
 after rejection sampling. ``with_draft_budgets`` wraps the async scheduler's step output
 so adaptive verification's per-request budgets reach the scheduler with the sampled tokens.
 
@@ -35,6 +35,9 @@ def before_step(runner: Any, scheduler_output: Any) -> None:
     from vllm.v1.spec_decode.dspark.metrics import publish_dspark_metrics
 
     drafter = runner.drafter
+    # Adaptive verification's step-time table, before the engine's first step runs (read
+    # from its cache file, or measured with the runner's dummy forwards): once per engine.
+    drafter.prepare_cost_table(runner)
     departed = set(scheduler_output.finished_req_ids)
     departed |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
     departed |= {rid for rid in drafter.live_request_ids if rid not in runner.requests}

@@ -1,0 +1,117 @@
+"""Adaptive verification's step-time table: grid, interpolation, budget, cache file."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from vllm.v1.spec_decode.dspark import cost_table
+from vllm.v1.spec_decode.dspark.cost_table import StepCostTable, measure, monotone_in_rows
+
+
+def test_interpolation_is_linear_in_width_and_in_requests():
+    # 2 and 4 requests, k = 2: times at 2x1, 2x2, 2x3 and 4x1, 4x2, 4x3 rows.
+    table = StepCostTable((2, 4), ((10.0, 12.0, 16.0), (20.0, 30.0, 34.0)))
+    assert table.step_ms(2, 2) == 10.0 and table.step_ms(4, 12) == 34.0
+    assert table.step_ms(2, 3) == pytest.approx(11.0)  # width 0.5: halfway 10 -> 12
+    assert table.step_ms(4, 10) == pytest.approx(32.0)  # width 1.5: halfway 30 -> 34
+    # 3 requests: halfway between the two rows at the same width (3 rows = width 0).
+    assert table.step_ms(3, 3) == pytest.approx(15.0)
+    assert table.step_ms(3, 6) == pytest.approx((12.0 + 30.0) / 2)
+    # Outside the grid of request counts: the nearest one.
+    assert table.step_ms(1, 1) == 10.0 and table.step_ms(8, 8) == 20.0
+
+
+def test_budget_makes_wider_steps_infinite_and_unmeasured_widths_extrapolate():
+    nan = float("nan")
+    table = StepCostTable((1, 4), ((5.0, 6.0, 7.0), (8.0, 10.0, nan)), row_budget=10)
+    assert table.step_ms(4, 11) == math.inf
+    assert table.step_ms(4, 10) == pytest.approx(11.0)  # width 1.5, past the last measured
+    matrix = table.matrix(4, 12)
+    assert matrix.shape == (5, 13) and np.isinf(matrix[4, 11:]).all()
+    assert matrix[1, 3] == pytest.approx(7.0)
+
+
+def test_max_gain_is_full_width_over_no_drafts():
+    table = StepCostTable((1, 2), ((10.0, 10.5, 11.0), (10.0, 11.0, 13.0)))
+    assert table.max_gain() == pytest.approx(0.3)
+    assert table.max_gain(num_requests=1) == pytest.approx(0.1)
+    flat = StepCostTable((1, 2), ((10.0, 10.0, 10.0), (10.0, 10.0, 10.0)))
+    assert flat.max_gain() == 0.0
+
+
+def test_monotone_in_rows_keeps_the_lower_envelope():
+    assert monotone_in_rows([5.0, 9.0, 6.0, 7.0]) == [5.0, 6.0, 6.0, 7.0]
+    nan = float("nan")
+    out = monotone_in_rows([5.0, 4.0, nan])
+    assert out[:2] == [4.0, 4.0] and math.isnan(out[2])
+
+
+def test_measure_times_every_point_within_the_budget_and_keeps_the_fastest():
+    calls = []
+    noise = iter([3.0, 0.0, 2.0, 1.0] * 100)
+
+    def run_point(requests, width):
+        calls.append((requests, width))
+        return 10.0 + requests * (width + 1) + next(noise)
+
+    table = measure(run_point, [1, 2, 4], 2, row_budget=8, max_rows=12, repeats=3)
+    points = {(r, w) for r in (1, 2, 4) for w in range(3) if r * (w + 1) <= 8}
+    assert set(calls) == points and len(calls) == 4 * len(points)  # one untimed pass
+    assert math.isnan(table.ms[2][2])  # 12 rows: over the budget, never run
+    for i, r in enumerate((1, 2, 4)):
+        for w in range(3):
+            if (r, w) in points:
+                assert table.ms[i][w] >= 10.0 + r * (w + 1)  # the noise only adds
+    assert table.row_budget == 8
+
+
+def test_json_round_trip_and_version_check():
+    nan = float("nan")
+    table = StepCostTable((1, 2), ((1.0, 2.0), (3.0, nan)), row_budget=3, measure_seconds=1.5)
+    back = StepCostTable.from_json(table.to_json())
+    assert back.requests == (1, 2) and back.row_budget == 3 and back.ms[0] == (1.0, 2.0)
+    assert math.isnan(back.ms[1][1]) and back.measure_seconds == 1.5
+    with pytest.raises(ValueError, match="version"):
+        StepCostTable.from_json(table.to_json().replace('"version": 1', '"version": 0'))
+
+
+@pytest.mark.parametrize(
+    "requests,ms",
+    [((), ()), ((2, 1), ((1.0,), (1.0,))), ((1,), ((float("nan"), 1.0),)), ((1,), ((0.0,),))],
+    ids=["empty", "unsorted", "no width 0", "zero time"],
+)
+def test_bad_tables_are_refused(requests, ms):
+    with pytest.raises(ValueError):
+        StepCostTable(requests, ms)
+
+
+def test_cache_file_is_keyed_and_written_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv(cost_table.CACHE_DIR_ENV, str(tmp_path))
+    key = cost_table.table_key({"model": "m", "k": 4})
+    assert key == cost_table.table_key({"k": 4, "model": "m"})
+    assert key != cost_table.table_key({"model": "m", "k": 5})
+    path = cost_table.cache_path(key)
+    assert path.parent == tmp_path and cost_table.read_cached(path) is None
+    table = StepCostTable((1,), ((2.0, 3.0),))
+    cost_table.write_cached(path, table)
+    assert cost_table.read_cached(path) == table
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    path.write_text("{not json")
+    assert cost_table.read_cached(path) is None  # a broken file means: measure again
+
+
+def test_mode_and_budget_from_the_environment(monkeypatch):
+    monkeypatch.delenv(cost_table.MODE_ENV, raising=False)
+    monkeypatch.delenv(cost_table.BUDGET_ENV, raising=False)
+    assert cost_table.env_mode() == "auto" and cost_table.env_row_budget() is None
+    monkeypatch.setenv(cost_table.MODE_ENV, "ON")
+    monkeypatch.setenv(cost_table.BUDGET_ENV, "64")
+    assert cost_table.env_mode() == "on" and cost_table.env_row_budget() == 64
+    for name, bad in ((cost_table.MODE_ENV, "maybe"), (cost_table.BUDGET_ENV, "0"),
+                      (cost_table.BUDGET_ENV, "x")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            cost_table.env_mode() if name == cost_table.MODE_ENV else cost_table.env_row_budget()
+        monkeypatch.delenv(name)
