@@ -13,7 +13,8 @@ draw is ``E = -log((h + 0.5) / 2**32)`` evaluated in float64, rounded to float32
 vectorised log that redoes the rare draws near a float32 tie with the float64 log, so every
 value equals the float64 formula's; compiled on a process's first sampled draft step), a
 Triton kernel on CUDA (keys and logs in registers; run here only by Triton's interpreter).
-The per-row part of the mix (seed and position) is done once per row.
+The per-row part of the mix (seed and position) is done once per row; on the host the
+per-token part is done once per block of tokens, for all rows.
 """
 
 from __future__ import annotations
@@ -82,14 +83,18 @@ def keyed_race_noise(
 # ----------------------------------------------------------------------------- host (Numba)
 
 _host_kernel = None
-_CHUNK = 1024  # tokens per inner block: its scratch stays in L1
-# -log u = -(e ln2 + ln m), u = 2**e m, m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(f) with
-# f = (m - 1) / (m + 1), |f| <= 0.1716: nine odd terms leave a relative error below 2**-46.
-_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # e * _LN2_HI exact
-_ATANH_TERMS = tuple(1.0 / (2 * j + 1) for j in range(1, 9))
-# A draw whose float32 rounding could differ within this relative distance is redone with
-# the float64 log (about 2 in 10**5 draws): every value equals RN32(-log u) of the float64 log.
-_ROUNDING_MARGIN = 2.0**-40
+_CHUNK = 1024  # tokens per block: a block's scratch stays in L1
+# -log u = -(k ln2 + ln m) with u = 2**k m, m in [sqrt(1/2), sqrt(2)); -ln m = 2 atanh(g / 2)
+# with g = 2 (1 - m) / (1 + m), |g / 2| <= 0.1716: eight odd terms leave a relative error
+# below 2**-44 (2**-44.7 measured over 2*10**8 draws and every binade's sqrt(2) boundary).
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # k * _LN2_HI exact
+_ATANH_TERMS = tuple(1.0 / ((2 * j + 1) * 4**j) for j in range(1, 8))  # of (g / 2)**2j, in g**2j
+# That error is under 2**9 float64 ulps of the value. A draw whose 29 low mantissa bits (those
+# float32 rounding drops) lie within this many ulps of one half could round either way, and is
+# redone with the float64 log (1 draw in 65,536): every value equals RN32 of -log u.
+_TIE_ULPS = 1 << 12
+_SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # float64 bits of sqrt(1/2)
+_TWO52_BITS = 0x4330000000000000  # float64 bits of 2**52: (n | these bits) - 2**52 == n
 
 
 def _race_noise_host():
@@ -100,26 +105,36 @@ def _race_noise_host():
     return _host_kernel
 
 
-def _token_hash_intrinsic():
-    """``(h', token) -> finalised key`` in 32-bit lanes (Numba widens uint32 arithmetic to
-    64 bits, which AVX2 cannot multiply in vectors); ``h'`` is ``rotl(h, 13)`` of the row."""
+def _hash_intrinsics():
+    """The per-token hash in 32-bit lanes (Numba widens uint32 arithmetic to 64 bits, which
+    AVX2 cannot multiply in vectors), split in two: ``token_key(t)``, the part of
+    ``mix(h, t)`` that depends on the token alone (the same for every row), and
+    ``finish(h', key)``, the rest of the mix and the finaliser; ``h'`` is ``rotl(h, 13)`` of
+    the row: ``mix(h, t) = (rotl(h, 13) ^ token_key(t)) * 5 + n``."""
     from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic
 
+    i32 = ir.IntType(32)
+
+    def c(v):
+        return ir.Constant(i32, v - (1 << 32) if v >= 1 << 31 else v)
+
+    def rotl(builder, x, r):
+        return builder.or_(builder.shl(x, c(r)), builder.lshr(x, c(32 - r)))
+
     @intrinsic
-    def token_hash(typingctx, row_state, token):
+    def token_key(typingctx, token):
         def codegen(context, builder, signature, args):
-            i32 = ir.IntType(32)
+            k = rotl(builder, builder.mul(args[0], c(_C1)), 15)
+            return rotl(builder, builder.mul(k, c(_C2)), 13)
 
-            def c(v):
-                return ir.Constant(i32, v - (1 << 32) if v >= 1 << 31 else v)
+        return types.uint32(types.uint32), codegen
 
-            def rotl(x, r):
-                return builder.or_(builder.shl(x, c(r)), builder.lshr(x, c(32 - r)))
-
-            h, tok = args
-            k = rotl(builder.mul(rotl(builder.mul(tok, c(_C1)), 15), c(_C2)), 13)
+    @intrinsic
+    def finish(typingctx, row_state, key):
+        def codegen(context, builder, signature, args):
+            h, k = args
             x = builder.add(builder.mul(builder.xor(h, k), c(_M)), c(_N))
             x = builder.xor(x, c(_KEY_BYTES))
             for shift, mult in ((16, _F1), (13, _F2)):
@@ -128,7 +143,21 @@ def _token_hash_intrinsic():
 
         return types.uint32(types.uint32, types.uint32), codegen
 
-    return token_hash
+    @intrinsic
+    def bits(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(64))
+
+        return types.int64(types.float64), codegen
+
+    @intrinsic
+    def from_bits(typingctx, b):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.DoubleType())
+
+        return types.float64(types.int64), codegen
+
+    return token_key, finish, bits, from_bits
 
 
 def _build_host_kernel():
@@ -137,9 +166,8 @@ def _build_host_kernel():
     import numba
     import numpy as np
 
-    token_hash = _token_hash_intrinsic()
-    inv = _ATANH_TERMS
-    sqrt2, margin = math.sqrt(2.0), _ROUNDING_MARGIN
+    token_key, finish, bits, from_bits = _hash_intrinsics()
+    series = _ATANH_TERMS
 
     @numba.njit(inline="always")
     def rotl(x, r):
@@ -151,54 +179,64 @@ def _build_host_kernel():
         return (rotl(h ^ key, 13) * _M + _N) & _U32
 
     @numba.njit(inline="always")
-    def uniform(row_state, t):
+    def uniform(row_state, key):
         # int32 -> float64 converts in vectors on AVX2, uint32 -> float64 does not.
-        x = np.int32(token_hash(row_state, np.uint32(t)) ^ np.uint32(0x80000000))
+        x = np.int32(finish(row_state, key) ^ np.uint32(0x80000000))
         return (np.float64(x) + 2147483648.5) * 2.0**-32
+
+    @numba.njit(inline="always")
+    def neg_log(u):
+        """-log u within 2**-44 (relative) for u in (0, 1), in float64 vector lanes."""
+        # u = 2**k m, m in [sqrt(1/2), sqrt(2)): k is the exponent of u / sqrt(1/2), read from
+        # the bits (biased by 64: AVX2 has no arithmetic 64-bit shift); m is u with k taken out.
+        b = bits(u)
+        k64 = (b - _SQRT_HALF_BITS + (64 << 52)) >> 52
+        m = from_bits(b - (k64 << 52) + (64 << 52))
+        k = from_bits(k64 | _TWO52_BITS) - (2.0**52 + 64.0)
+        g = (2.0 - 2.0 * m) / (m + 1.0)  # -log m = 2 atanh(g / 2)
+        s = g * g
+        p = series[-1]
+        for c in series[-2::-1]:
+            p = p * s + c
+        return k * -_LN2_HI + (k * -_LN2_LO + (g + g * (s * p)))
+
+    @numba.njit(inline="always")
+    def near_tie(y):
+        """Whether y's float32 rounding could differ within the error of ``neg_log``."""
+        return ((bits(y) + (_TIE_ULPS - (1 << 28))) & ((1 << 29) - 1)) <= 2 * _TIE_ULPS
 
     @numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath={"contract"})
     def kernel(seeds, keys, out):
         rows, slots, vocab = out.shape
-        for i in numba.prange(rows * slots):
+        states = np.empty(rows * slots, np.uint32)
+        for i in range(rows * slots):
             r, k = i // slots, i % slots
             seed = seeds[r]  # int64: its two's complement halves, as the int64 formula
             h = mix(0, seed & _U32)
             h = mix(h, (seed >> 32) & _U32)
             h = mix(h, (keys[r] + k) & _U32)
-            row_state = np.uint32(rotl(h, 13))  # mix(h, t) = (rotl(h,13) ^ rotl(K(t),13))*5+n
-            dst = out[r, k]
-            mant = np.empty(_CHUNK, np.float64)
-            mant_bits = mant.view(np.int64)
-            expo = np.empty(_CHUNK, np.float64)
-            expo_bits = expo.view(np.int64)
-            for t0 in range(0, vocab, _CHUNK):
-                n = min(_CHUNK, vocab - t0)
+            states[i] = rotl(h, 13)
+        # Threads take blocks of tokens: a block's token keys are hashed once for all rows.
+        for c in numba.prange((vocab + _CHUNK - 1) // _CHUNK):
+            t0 = c * _CHUNK
+            n = min(_CHUNK, vocab - t0)
+            key = np.empty(_CHUNK, np.uint32)
+            for j in range(n):
+                key[j] = token_key(np.uint32(t0 + j))
+            u = np.empty(_CHUNK, np.float64)
+            for i in range(rows * slots):
+                block = out[i // slots, i % slots, t0:t0 + n]
                 for j in range(n):
-                    mant[j] = uniform(row_state, t0 + j)
-                for j in range(n):  # u = 2**e m: e as a float64 via its bits, m in [1, 2)
-                    b = mant_bits[j]
-                    expo_bits[j] = (b >> 52) | 0x4330000000000000
-                    mant_bits[j] = (b & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000
+                    u[j] = uniform(states[i], key[j])
                 unsure = 0
                 for j in range(n):
-                    m = mant[j]
-                    e = expo[j] - (2.0**52 + 1023.0)
-                    big = m > sqrt2
-                    m = m * 0.5 if big else m
-                    e = e + 1.0 if big else e
-                    f = (m - 1.0) / (m + 1.0)
-                    s = f * f
-                    p = inv[7]
-                    for q in (6, 5, 4, 3, 2, 1, 0):
-                        p = p * s + inv[q]
-                    y = -(e * _LN2_HI + (e * _LN2_LO + (2.0 * f + 2.0 * f * (s * p))))
-                    dst[t0 + j] = np.float32(y)
-                    unsure += np.float32(y * (1.0 - margin)) != np.float32(y * (1.0 + margin))
-                if unsure:
+                    y = neg_log(u[j])
+                    block[j] = np.float32(y)
+                    unsure += near_tie(y)
+                if unsure:  # redone with the float64 log, those draws only
                     for j in range(n):
-                        y = -math.log(uniform(row_state, t0 + j))
-                        if np.float32(y * (1.0 - margin)) != np.float32(y * (1.0 + margin)):
-                            dst[t0 + j] = np.float32(y)
+                        if near_tie(neg_log(u[j])):
+                            block[j] = np.float32(-math.log(u[j]))
 
     return kernel
 
