@@ -179,9 +179,9 @@ def _build_host_kernel():
         return (rotl(h ^ key, 13) * _M + _N) & _U32
 
     @numba.njit(inline="always")
-    def uniform(row_state, key):
+    def uniform(h):
         # int32 -> float64 converts in vectors on AVX2, uint32 -> float64 does not.
-        x = np.int32(finish(row_state, key) ^ np.uint32(0x80000000))
+        x = np.int32(h ^ np.uint32(0x80000000))
         return (np.float64(x) + 2147483648.5) * 2.0**-32
 
     @numba.njit(inline="always")
@@ -223,20 +223,20 @@ def _build_host_kernel():
             key = np.empty(_CHUNK, np.uint32)
             for j in range(n):
                 key[j] = token_key(np.uint32(t0 + j))
-            u = np.empty(_CHUNK, np.float64)
+            h = np.empty(_CHUNK, np.uint32)
             for i in range(rows * slots):
                 block = out[i // slots, i % slots, t0:t0 + n]
                 for j in range(n):
-                    u[j] = uniform(states[i], key[j])
+                    h[j] = finish(states[i], key[j])
                 unsure = 0
                 for j in range(n):
-                    y = neg_log(u[j])
+                    y = neg_log(uniform(h[j]))
                     block[j] = np.float32(y)
                     unsure += near_tie(y)
                 if unsure:  # redone with the float64 log, those draws only
                     for j in range(n):
-                        if near_tie(neg_log(u[j])):
-                            block[j] = np.float32(-math.log(u[j]))
+                        if near_tie(neg_log(uniform(h[j]))):
+                            block[j] = np.float32(-math.log(uniform(h[j])))
 
     return kernel
 
