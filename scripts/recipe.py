@@ -436,15 +436,14 @@ def adaptive_on(profile: dict) -> bool:
 
 
 def row_budget(profile: dict) -> int | None:
-    """The verify rows one step may carry, when the overlay's cut enforces it: the attention
-    backend's decode-row limit, with adaptive verification on the overlay runner under
-    synchronous scheduling. Under async scheduling the scheduler reserves a step's draft
-    slots before that step's drafts exist, so the cut lands one step late and cannot hold
-    a budget; there max_num_seqs x (k+1) must fit the limit by itself."""
+    """The verify rows one step may carry, when the overlay enforces it: the attention
+    backend's decode-row limit, with adaptive verification on the overlay runner. The cut
+    drops the lowest-survival drafts first; under async scheduling the scheduler also trims
+    the next step's draft placeholders, reserved before that step's drafts exist."""
     spec, srv = profile["speculative"], profile["serving"]
     limit = DECODE_ROW_LIMITS[srv["attention_backend"]]
     if (limit is None or spec["method"] == "none" or spec["runner"] != "overlay"
-            or not adaptive_on(profile) or srv["async_scheduling"]):
+            or not adaptive_on(profile)):
         return None
     return limit
 
@@ -539,7 +538,8 @@ def serve_argv(
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
         if profile["device"] == "cuda" and not srv["enforce_eager"]:
             rows = srv["max_num_seqs"] * (spec["num_speculative_tokens"] + 1)
-            argv += ["--max-cudagraph-capture-size", str(rows)]
+            budget = row_budget(profile)  # no step carries more rows than the budget
+            argv += ["--max-cudagraph-capture-size", str(rows if budget is None else min(rows, budget))]
     if par["nnodes"] > 1:
         argv += [
             "--distributed-executor-backend",

@@ -70,7 +70,8 @@ BAD = [
     ),
     ("unknown runner", "speculative.runner", "v2", "speculative.runner: 'v2' is not allowed"),
     ("missing runner", "speculative.runner", KeyError, "speculative.runner: missing"),
-    ("decode rows", "serving.max_num_seqs", 12, "72 verify rows exceeds the flashinfer_sparse_mla"),
+    ("decode rows", "serving.max_num_seqs", 65,
+     "65 requests exceed the flashinfer_sparse_mla decode-row limit of 64"),
     ("tp vs nodes", "parallel.nnodes", 3, "not a multiple of parallel.nnodes=3"),
     ("backend vs device", "serving.attention_backend", "cpu", "only valid with device 'cpu'"),
     ("empty string", "model.id", " ", "model.id: must not be empty"),
@@ -99,6 +100,7 @@ def test_yaml_syntax_error_and_missing_profile(tmp_path):
 
 def test_decode_row_limit_allows_exactly_the_limit():
     profile = _mutate("serving.max_num_seqs", 10)  # 10 x 6 = 60 <= 64
+    profile["speculative"]["adaptive"] = False  # fixed k: every request verifies k drafts
     recipe.validate(profile)
     profile["speculative"]["num_speculative_tokens"] = profile["speculative"][
         "checkpoint_block_size"
@@ -187,6 +189,7 @@ def _render(profile: dict, style: str, tmp_path) -> list[str]:
 @pytest.mark.parametrize("runner,flag", [("overlay", "0"), ("upstream", "1")])
 def test_runner_choice_is_rendered_in_every_environment(runner, flag, tmp_path):
     profile = _mutate("speculative.runner", runner)
+    profile["serving"]["max_num_seqs"] = 10  # V2 has no row budget: 10 x 6 rows <= 64
     assert f"VLLM_USE_V2_MODEL_RUNNER={flag}" in _render(profile, "env", tmp_path)
     assert f"VLLM_USE_V2_MODEL_RUNNER={flag}" in _render(profile, "compose-env", tmp_path)
 

@@ -37,9 +37,10 @@ def profile(name: str) -> dict:
     return yaml.safe_load((REPO / "recipe/profiles" / f"{name}.yaml").read_text())
 
 
-def problems_with(key: str, value) -> str:
+def problems_with(key: str, value, adaptive="auto") -> str:
     """Every problem validate() reports for spark-2x with ``key`` set to ``value``."""
     p = profile("spark-2x")
+    p["speculative"]["adaptive"] = adaptive
     section, leaf = key.split(".")
     p.setdefault(section, {})[leaf] = value  # spark-2x has no demo section
     try:
@@ -64,12 +65,16 @@ def argv_pairs(p: dict) -> tuple[list[str], dict[str, str]]:
 
 def test_cuda_flags_follow_the_profile_and_stay_off_cpu():
     """GPU memory share and CUDA-graph capture size are CUDA flags; the capture size covers
-    max_num_seqs verify rows of k + 1 tokens, and enforce_eager turns it off."""
+    max_num_seqs verify rows of k + 1 tokens up to the row budget, and enforce_eager turns it
+    off."""
     spark = profile("spark-2x")
     argv, pairs = argv_pairs(spark)
     srv, k = spark["serving"], spark["speculative"]["num_speculative_tokens"]
     assert pairs["--gpu-memory-utilization"] == str(srv["gpu_memory_utilization"])
-    assert pairs["--max-cudagraph-capture-size"] == str(srv["max_num_seqs"] * (k + 1))
+    assert pairs["--max-cudagraph-capture-size"] == str(min(srv["max_num_seqs"] * (k + 1), 64))
+    fixed = copy.deepcopy(spark)
+    fixed["serving"]["max_num_seqs"], fixed["speculative"]["adaptive"] = 10, False
+    assert argv_pairs(fixed)[1]["--max-cudagraph-capture-size"] == str(10 * (k + 1))
     eager = copy.deepcopy(spark)
     eager["serving"]["enforce_eager"] = True
     argv, _ = argv_pairs(eager)
@@ -101,7 +106,7 @@ def test_tensor_parallel_sizes_are_powers_of_two_up_to_eight(tp, allowed):
 
 def test_decode_row_error_gives_the_largest_allowed_max_num_seqs():
     """FlashInfer's sparse MLA decodes at most 64 rows; k=5 verifies 6 rows per request."""
-    message = problems_with("serving.max_num_seqs", 12)
+    message = problems_with("serving.max_num_seqs", 12, adaptive=False)
     assert "serving.max_num_seqs: 12 x (k+1=6) = 72 verify rows" in message
     assert message.endswith("use max_num_seqs <= 10")  # 10 x 6 = 60 <= 64 < 11 x 6
 
@@ -180,6 +185,7 @@ def test_flashinfer_decode_row_limit_is_exactly_64(k, max_num_seqs, allowed):
     p = profile("spark-2x")
     p["speculative"]["num_speculative_tokens"] = k
     p["serving"]["max_num_seqs"] = max_num_seqs
+    p["speculative"]["adaptive"] = False  # fixed k: every request verifies k drafts
     problems = []
     try:
         recipe.validate(p)
@@ -373,3 +379,30 @@ def test_render_requires_a_launcher_style(capsys):
     with pytest.raises(SystemExit) as done:
         recipe.main(["render", "spark-2x"])
     assert done.value.code == 2 and "required: --as" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("runner,adaptive,max_num_seqs,allowed", [
+    ("overlay", "auto", 64, True), ("overlay", "auto", 65, False), ("overlay", True, 16, True),
+    ("overlay", False, 16, False), ("upstream", "auto", 16, False), ("upstream", "auto", 10, True),
+])
+def test_row_budget_lets_the_overlay_serve_more_requests(runner, adaptive, max_num_seqs, allowed):
+    """With adaptive verification the overlay's cut holds every step (sync and async) to the
+    64-row limit, so only the requests must fit; without it, or on V2, max_num_seqs x (k+1)."""
+    p = profile("spark-2x")
+    p["speculative"]["runner"], p["speculative"]["adaptive"] = runner, adaptive
+    p["serving"]["max_num_seqs"] = max_num_seqs
+    problems = []
+    try:
+        recipe.validate(p)
+    except recipe.RecipeError as err:
+        problems = err.problems
+    assert (not any("decode-row limit" in line for line in problems)) is allowed, problems
+    if allowed and runner == "overlay":
+        assert recipe.vllm_env(p)["DSPARK_VERIFY_ROW_BUDGET"] == "64"
+
+
+def test_spark_profiles_serve_sixteen_requests():
+    for name in ("spark-2x", "spark-4x"):
+        p = recipe.validate(profile(name))
+        assert p["serving"]["max_num_seqs"] >= 16 and p["serving"]["async_scheduling"] is True
+        assert recipe.vllm_env(p)["DSPARK_VERIFY_ROW_BUDGET"] == "64"

@@ -40,6 +40,7 @@ __all__ = [
     "apply_cut",
     "draft_budget_mask",
     "draft_budgets",
+    "fit_row_budget",
     "trim_cut",
 ]
 
@@ -120,4 +121,25 @@ def trim_cut(draft_lists: list[list[int]]) -> list[list[int]]:
             out.append(drafts[: drafts.index(CUT)])
         except ValueError:
             out.append(drafts)
+    return out
+
+
+def fit_row_budget(counts: list[int], budget: int) -> list[int]:
+    """Host side (async scheduler): drafts per request trimmed so that one step's verify
+    rows, one per request plus its drafts, fit ``budget``. The longest lists lose first, so
+    the requests keep as even a share as the budget allows; nothing grows."""
+    room = max(budget - len(counts), 0)
+    if sum(counts) <= room:
+        return list(counts)
+    cap = 0
+    while sum(min(n, cap + 1) for n in counts) <= room:
+        cap += 1
+    out = [min(n, cap) for n in counts]
+    spare = room - sum(out)
+    for i, n in enumerate(counts):  # what is left: one more each, in batch order
+        if spare == 0:
+            break
+        if n > out[i]:
+            out[i] += 1
+            spare -= 1
     return out

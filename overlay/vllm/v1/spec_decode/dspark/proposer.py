@@ -482,7 +482,7 @@ class DSparkProposer:
         from vllm.config import CUDAGraphMode
 
         rows = requests * (width + 1)
-        context = min(self.max_model_len, 1024)
+        context = min(self.max_model_len, cost_table.CONTEXT_TOKENS)
         uniform = runner.uniform_decode_query_len
         runner.uniform_decode_query_len = width + 1  # R requests of width + 1 rows each
         try:
