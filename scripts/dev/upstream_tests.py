@@ -47,6 +47,7 @@ UPSTREAM_TESTS: dict[str, list[str] | None] = {
     "vllm/v1/worker/cpu_model_runner.py": None,
     "vllm/v1/outputs.py": ["tests/v1/test_outputs.py"],
     "vllm/v1/core/sched/async_scheduler.py": ["tests/v1/core/test_async_scheduler.py"],
+    "vllm/v1/core/sched/scheduler.py": ["tests/v1/core/test_scheduler.py"],
     "vllm/entrypoints/cli/main.py": ["tests/entrypoints/launchers/test_cli_args.py"],
     "vllm/entrypoints/serve/middleware/authenticate.py": [
         "tests/entrypoints/serve/middleware/test_authentication_middleware.py"

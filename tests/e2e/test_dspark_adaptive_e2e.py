@@ -1,12 +1,15 @@
 """Adaptive verification end to end in real vLLM on CPU (V1 runner, trained tiny draft).
 
-The same 8 greedy prompts run with fixed k, with ``enable_adaptive_verification``, and with
-it under async scheduling (``tests/e2e/runners/adaptive.py``, one engine per process).
+The same 8 greedy prompts run with fixed k, with ``enable_adaptive_verification`` (a given
+step-time table), with it under async scheduling, and as ``adaptive: auto`` deploys it (the
+engine's own measured table) under a row budget smaller than full width, synchronous and
+async (``tests/e2e/runners/adaptive.py``, one engine per process).
 Adaptive must stay lossless by the greedy oracle (the plain target by teacher forcing),
 really verify a different number of drafts per request within one step (the scheduler's
 own draft counts, as the target verified them), verify fewer drafts than fixed k for the
 same emitted tokens, and repeat seeded sampled requests token for token; under async
 scheduling too, where the cut reaches the scheduler as draft budgets one step late.
+Under the budget, no step verifies more rows than the budget, and greedy stays lossless.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tests.support.tiny import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
-ROW_COST = "0.02"  # a verify row at 2% of a step's fixed cost: cuts some drafts, not all
+ROW_BUDGET = 12  # 8 requests verify 40 rows at full width (k=4)
 
 
 def _run(mode: str, out: Path) -> dict:
@@ -36,8 +39,13 @@ def _run(mode: str, out: Path) -> dict:
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "DSPARK_VERIFY_ROW_COST": ROW_COST,
+        "DSPARK_ADAPTIVE": "auto",
+        "DSPARK_COST_TABLE_DIR": str(out.parent / f"tables-{mode}"),  # measured afresh
     }
+    if mode.startswith("budget"):
+        env["DSPARK_VERIFY_ROW_BUDGET"] = str(ROW_BUDGET)
+    else:
+        env.pop("DSPARK_VERIFY_ROW_BUDGET", None)
     cmd = [sys.executable, "-m", runner.__name__, mode, "--model", str(ensure_tiny_model())]
     proc = subprocess.run(
         [*cmd, "--out", str(out)], env=env, cwd=REPO, capture_output=True, text=True, timeout=900
@@ -50,10 +58,11 @@ def _run(mode: str, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("adaptive")
-    return {mode: _run(mode, tmp / f"{mode}.json") for mode in ("fixed", *ADAPTIVE)}
+    return {mode: _run(mode, tmp / f"{mode}.json") for mode in ("fixed", *ADAPTIVE, *BUDGET)}
 
 
 ADAPTIVE = ("adaptive", "adaptive-async")
+BUDGET = ("budget", "budget-async")
 
 
 def _verify_steps(run: dict, phase: str = "greedy") -> list[list[int]]:
@@ -67,8 +76,9 @@ def _verify_steps(run: dict, phase: str = "greedy") -> list[list[int]]:
 
 def test_both_runs_emit_every_token(runs):
     assert runs["fixed"]["adaptive"] is False
-    assert all(runs[mode]["adaptive"] is True for mode in ADAPTIVE)
-    assert runs["adaptive-async"]["scheduler"] == "AsyncScheduler"
+    assert all(runs[mode]["adaptive"] is True for mode in ADAPTIVE + BUDGET)
+    assert runs["adaptive-async"]["scheduler"] == runs["budget-async"]["scheduler"]
+    assert runs["budget-async"]["scheduler"] == "AsyncScheduler"
     assert runs["adaptive"]["scheduler"] == runs["fixed"]["scheduler"] == "Scheduler"
     for run in runs.values():
         outputs = run["greedy"]["outputs"]
@@ -76,7 +86,7 @@ def test_both_runs_emit_every_token(runs):
         assert all(len(t) == runner.GREEDY_TOKENS for t in outputs.values())
 
 
-@pytest.mark.parametrize("mode", ADAPTIVE)
+@pytest.mark.parametrize("mode", ADAPTIVE + BUDGET)
 def test_adaptive_greedy_is_lossless_by_teacher_forcing(runs, mode):
     oracle = runs[mode]["oracle"]
     assert oracle["epsilon"] == EPSILON_NATS
@@ -116,3 +126,53 @@ def test_adaptive_seeded_sampling_repeats(runs, mode):
     assert sorted(first) == sorted(runner.SAMPLED)
     assert all(len(t) == runner.SAMPLED_TOKENS for t in first.values())
     assert first == second
+
+
+def _verify_rows(step: dict) -> int:
+    """Rows of the requests verifying drafts or decoding (one row plus their drafts)."""
+    return sum(n for n, d, pre in zip(step["rows"], step["drafts"], step["prefilling"],
+                                      strict=True) if not pre and n == d + 1)
+
+
+@pytest.mark.parametrize("mode", BUDGET)
+def test_no_step_verifies_more_rows_than_the_budget(runs, mode):
+    """8 requests at k=4 would verify 40 rows a step; the budget is 12, in every step."""
+    run = runs[mode]
+    assert run["row_budget"] == ROW_BUDGET and run["rule_on"]  # a budget that binds: on
+    k = max(max(counts, default=0) for counts in _verify_steps(runs["fixed"]))
+    steps = run["greedy"]["steps"] + run["sampled_steps"]
+    decoding = [sum(1 for n, d, pre in zip(s["rows"], s["drafts"], s["prefilling"],
+                                            strict=True) if not pre and n == d + 1)
+                for s in steps]
+    assert max(decoding) * (k + 1) > ROW_BUDGET  # full width would not fit
+    rows = [_verify_rows(s) for s in steps]
+    assert max(rows) <= ROW_BUDGET, rows
+    assert run["table_ms"] is not None  # the engine measured its own table
+
+
+def test_tp2_auto_under_a_row_budget_is_lossless(tmp_path):
+    """TP=2 (the cpu-4x profile's engine at two ranks: async scheduling, prefix caching):
+    ``adaptive: auto`` measures its table on both ranks, rank 0's is broadcast, and a row
+    budget of 10 (six requests verify 30 rows at full width) makes it cut. Greedy output
+    matches the TP=2 plain target by teacher forcing; both ranks count the same drafts."""
+    from tests.e2e.runners import dspark_tp
+
+    out = tmp_path / "tp2.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "DSPARK_ADAPTIVE": "auto", "DSPARK_VERIFY_ROW_BUDGET": "10",
+           "DSPARK_COST_TABLE_DIR": str(tmp_path / "tables")}
+    proc = subprocess.run([sys.executable, "-m", dspark_tp.__name__, "--model",
+                           str(ensure_tiny_model()), "--out", str(out), "--tp", "2"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        pytest.fail(f"TP=2 run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    report = json.loads(out.read_text())
+    assert report["tp"] == 2 and all(len(t) == dspark_tp.MAX_TOKENS
+                                     for t in report["outputs"].values())
+    oracle = report["oracle"]
+    assert oracle["violations"] == [] and oracle["ok"], oracle
+    first = report["per_rank"][0]["counters"]
+    assert all(r["counters"] == first for r in report["per_rank"])
+    assert 0 < first["verified_tokens"] < first["drafted_tokens"]  # the budget cut drafts
+    assert len(list((tmp_path / "tables").glob("*.json"))) == 1  # rank 0 wrote the table

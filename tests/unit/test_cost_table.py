@@ -115,3 +115,32 @@ def test_mode_and_budget_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=name):
             cost_table.env_mode() if name == cost_table.MODE_ENV else cost_table.env_row_budget()
         monkeypatch.delenv(name)
+
+
+def test_fit_row_budget_trims_the_longest_first_and_never_grows():
+    from vllm.v1.spec_decode.dspark.adaptive import fit_row_budget
+
+    assert fit_row_budget([4, 4, 4], 20) == [4, 4, 4]  # 15 rows fit
+    assert fit_row_budget([4, 1, 4], 9) == [3, 1, 2]  # 6 drafts: cap 2, one spare
+    assert fit_row_budget([4, 4], 2) == [0, 0]
+    assert fit_row_budget([3, 3, 3], 2) == [0, 0, 0]  # more requests than rows: no drafts
+    for counts, budget in (([5, 0, 2, 5], 10), ([1, 2, 3, 4, 5], 12), ([5] * 16, 64)):
+        fit = fit_row_budget(counts, budget)
+        assert len(counts) + sum(fit) <= budget
+        assert all(0 <= f <= c for f, c in zip(fit, counts, strict=True))
+        # As even as possible: no request keeps 2 more than another that was trimmed.
+        trimmed = [f for f, c in zip(fit, counts, strict=True) if f < c]
+        assert not trimmed or max(fit) <= min(trimmed) + 1
+
+
+def test_hold_row_budget_trims_running_requests_in_place():
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.dspark.adaptive import hold_row_budget
+
+    shared = [-1, -1, -1, -1]  # the async scheduler shares one placeholder list
+    running = [SimpleNamespace(is_prefill_chunk=False, spec_token_ids=shared) for _ in range(3)]
+    running.append(SimpleNamespace(is_prefill_chunk=True, spec_token_ids=[]))
+    hold_row_budget(running, 9)  # 3 decoding requests: 6 drafts
+    assert [len(r.spec_token_ids) for r in running] == [2, 2, 2, 0]
+    assert shared == [-1, -1, -1, -1]  # trimmed by copy, the shared list untouched

@@ -3,16 +3,20 @@
     python -m tests.e2e.runners.adaptive fixed --model DIR --out R.json
     python -m tests.e2e.runners.adaptive adaptive --model DIR --out R.json
     python -m tests.e2e.runners.adaptive adaptive-async --model DIR --out R.json
+    python -m tests.e2e.runners.adaptive budget[-async] --model DIR --out R.json
 
-Both modes run the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
-chunked prefill) through one DSpark engine with the trained tiny draft, and record what
-the target verified each step: per request, the drafts it was scheduled (the proposer's
-``num_draft_tokens``) and whether it was still in prefill. ``adaptive`` turns on
-``enable_adaptive_verification`` (row cost from ``DSPARK_VERIFY_ROW_COST``), scores the
-greedy outputs with the greedy oracle (the plain target by teacher forcing, in a child
-process) and runs the same seeded sampled requests twice, one batch after the other.
+Every mode runs the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
+chunked prefill) through one DSpark engine with the trained tiny draft, and records what
+the target verified each step: per request, its rows, the drafts it was scheduled (the
+proposer's ``num_draft_tokens``) and whether it was still in prefill. ``adaptive`` turns on
+``enable_adaptive_verification`` with a given step-time table (a verify row at 2% of the
+fixed step time, so the cut does not depend on this machine's timing), scores the greedy
+outputs with the greedy oracle (the plain target by teacher forcing, in a child process)
+and runs the same seeded sampled requests twice, one batch after the other.
 ``adaptive-async`` does the same with async scheduling, where the cut reaches the
-scheduler as per-request draft budgets one step late.
+scheduler as per-request draft budgets one step late. ``budget`` and ``budget-async`` run
+``adaptive: auto`` as a deployment does (the table measured by the engine itself) under
+the row budget in ``DSPARK_VERIFY_ROW_BUDGET``, smaller than full width at 8 requests.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from scripts.verify.plain_target import PlainTarget
 from tests.e2e.runners.dspark import (
@@ -49,6 +55,7 @@ def record_verify_steps(drafter) -> list[dict]:
             {
                 "drafts": [int(d) for d in step.num_draft_tokens],
                 "prefilling": [bool(p) for p in step.prefilling],
+                "rows": [int(n) for n in np.diff(step.query_start_loc_cpu)],
             }
         )
         return propose(step)
@@ -86,8 +93,17 @@ def sampled_twice(engine, all_prompts) -> list[dict[str, list[int]]]:
     return runs
 
 
+def given_table(k: int, requests=(1, 2, 4, 8)):
+    """Step time 1 + 2% per verify row at every grid point."""
+    from vllm.v1.spec_decode.dspark.cost_table import StepCostTable
+
+    return StepCostTable(requests, tuple(tuple(1.0 + 0.02 * r * (w + 1) for w in range(k + 1))
+                                         for r in requests))
+
+
 def run(
-    model: str, adaptive: bool, target: PlainTarget | None = None, async_scheduling=False
+    model: str, adaptive: bool, target: PlainTarget | None = None, async_scheduling=False,
+    measured_table=False,
 ) -> dict:
     kwargs = engine_kwargs(model, None, speculative=True)
     kwargs["async_scheduling"] = async_scheduling
@@ -97,13 +113,18 @@ def run(
     }
     engine = make_engine(kwargs)
     drafter = engine.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
+    if adaptive and not measured_table:  # before the first step: the engine keeps it
+        drafter.use_cost_table(given_table(drafter.num_speculative_tokens))
     all_prompts = prompts()
     steps = record_verify_steps(drafter)
     result = {
         "adaptive": drafter.adaptive,
+        "row_budget": drafter.row_budget,
         "scheduler": type(engine.engine_core.engine_core.scheduler).__name__,
         "greedy": greedy_phase(engine, drafter, all_prompts, steps),
     }
+    result["rule_on"] = drafter.rule_on
+    result["table_ms"] = [list(row) for row in drafter.cost_table.ms] if drafter.cost_table else None
     if target is not None:
         outputs = result["greedy"]["outputs"]
         result["oracle"] = score(target, all_prompts, outputs, dict.fromkeys(outputs, GREEDY_TOKENS))
@@ -115,7 +136,8 @@ def run(
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["fixed", "adaptive", "adaptive-async"])
+    ap.add_argument("mode", choices=["fixed", "adaptive", "adaptive-async", "budget",
+                                     "budget-async"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -124,7 +146,8 @@ def main() -> int:
     else:
         with PlainTarget(engine_kwargs(args.model, None, speculative=False)) as target:
             result = run(args.model, adaptive=True, target=target,
-                         async_scheduling=args.mode == "adaptive-async")
+                         async_scheduling=args.mode.endswith("-async"),
+                         measured_table=args.mode.startswith("budget"))
     Path(args.out).write_text(json.dumps(result))
     return 0
 

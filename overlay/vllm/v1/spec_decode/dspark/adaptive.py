@@ -41,6 +41,7 @@ __all__ = [
     "draft_budget_mask",
     "draft_budgets",
     "fit_row_budget",
+    "hold_row_budget",
     "trim_cut",
 ]
 
@@ -143,3 +144,15 @@ def fit_row_budget(counts: list[int], budget: int) -> list[int]:
             out[i] += 1
             spare -= 1
     return out
+
+
+def hold_row_budget(running, budget: int) -> None:
+    """Scheduler side, after the next step's drafts (or async placeholders) are set: trim
+    the running requests' ``spec_token_ids`` in place so that step never carries more
+    verify rows than ``budget``. A backstop for what the cut cannot see: a request skipped
+    for a step keeps drafts from an earlier cut, and async placeholders precede any cut."""
+    decoding = [r for r in running if not r.is_prefill_chunk]
+    counts = [len(r.spec_token_ids) for r in decoding]
+    for request, n, fit in zip(decoding, counts, fit_row_budget(counts, budget), strict=True):
+        if fit < n:
+            request.spec_token_ids = request.spec_token_ids[:fit]
