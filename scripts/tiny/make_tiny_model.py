@@ -130,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=64, choices=CPU_EXPERT_COUNTS)
     p.add_argument("--topk", type=int, default=6, choices=CPU_TOPK)
     p.add_argument("--moe-intermediate-size", type=int, default=128)
+    p.add_argument("--shared-experts", type=int, default=1, help="n_shared_experts")
+    p.add_argument("--q-lora-rank", type=int, default=None, help="default: hidden / 2")
+    p.add_argument("--o-lora-rank", type=int, default=None, help="default: hidden / 2")
     p.add_argument("--num-hash-layers", type=int, default=1)
     p.add_argument("--max-position-embeddings", type=int, default=4096)
     p.add_argument("--dspark", action="store_true", help="also write DSpark draft stages")
@@ -208,6 +211,13 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-hash-layers must be in [0, {args.layers}]")
     if args.moe_intermediate_size < 16 or args.moe_intermediate_size % 16:
         raise ValueError("--moe-intermediate-size must be a positive multiple of 16")
+    for name in ("q_lora_rank", "o_lora_rank"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, args.hidden_size // 2)
+        if getattr(args, name) < 16 or getattr(args, name) % 16:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive multiple of 16")
+    if getattr(args, "shared_experts", 1) < 1:
+        raise ValueError("--shared-experts must be >= 1")
     if args.target_layer_ids is None:
         n = min(3, args.layers)
         args.tap_ids = list(range(args.layers - n, args.layers))
@@ -252,8 +262,8 @@ def build_config(args: argparse.Namespace, vocab_size: int) -> dict:
         "num_key_value_heads": 1,
         "head_dim": HEAD_DIM,
         "qk_rope_head_dim": ROPE_DIM,
-        "q_lora_rank": H // 2,
-        "o_lora_rank": H // 2,
+        "q_lora_rank": getattr(args, "q_lora_rank", None) or H // 2,
+        "o_lora_rank": getattr(args, "o_lora_rank", None) or H // 2,
         "o_groups": args.o_groups,
         "sliding_window": 128,
         "compress_ratios": list(args.ratios),
@@ -272,7 +282,7 @@ def build_config(args: argparse.Namespace, vocab_size: int) -> dict:
         "index_head_dim": INDEX_HEAD_DIM,
         "index_topk": INDEX_TOPK,
         "n_routed_experts": args.experts,
-        "n_shared_experts": 1,
+        "n_shared_experts": getattr(args, "shared_experts", 1),
         "num_experts_per_tok": args.topk,
         "moe_intermediate_size": args.moe_intermediate_size,
         "num_hash_layers": args.num_hash_layers,
@@ -560,11 +570,15 @@ GENERATION_CONFIG = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample"
                      "temperature": 0.0}
 
 
-def write_generation_config(folder: Path) -> bool:
-    """Write ``GENERATION_CONFIG`` to ``folder/generation_config.json`` unless it is there
-    already; True when written (through a temp file: never a half-written file)."""
+def write_generation_config(folder: Path, temperature: float = 0.0) -> bool:
+    """Write ``GENERATION_CONFIG`` (served at ``temperature``; above 0 it samples) to
+    ``folder/generation_config.json`` unless it is there already; True when written (through
+    a temp file: never a half-written file)."""
     path = folder / "generation_config.json"
-    text = json.dumps(GENERATION_CONFIG, indent=2) + "\n"
+    config = dict(GENERATION_CONFIG)
+    if temperature > 0:
+        config.update(do_sample=True, temperature=temperature)
+    text = json.dumps(config, indent=2) + "\n"
     if path.exists() and path.read_text() == text:
         return False
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -573,12 +587,13 @@ def write_generation_config(folder: Path) -> bool:
     return True
 
 
-def _write_checkpoint(folder: Path, cfg: dict, tensors: dict, log) -> None:
+def _write_checkpoint(folder: Path, cfg: dict, tensors: dict, log,
+                      temperature: float = 0.0) -> None:
     """config, generation config and safetensors of one checkpoint (tokenizer: the caller)."""
     from safetensors.torch import save_file
 
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    write_generation_config(folder)
+    write_generation_config(folder, temperature)
     n_params = sum(t.numel() for t in tensors.values())
     log(
         f"      {folder.name.split('.tmp-')[0].lstrip('.')}/model.safetensors "

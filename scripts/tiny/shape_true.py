@@ -139,8 +139,11 @@ def successor_permutation(vocab: int, seed: int):
     return succ, free
 
 
-def designed_tensors(cfg: dict, seed: int) -> dict:
-    """The embedding, LM head and Markov head that make the target predictable (see above)."""
+def designed_tensors(cfg: dict, seed: int, head_logit: float = HEAD_LOGIT,
+                     stages: int = tiny.REAL_STAGES) -> dict:
+    """The embedding, LM head and Markov head (of draft stage ``stages - 1``) that make the
+    target predictable (see above); ``head_logit`` sets how peaked the target's
+    distributions are."""
     import torch
 
     gen = torch.Generator().manual_seed(seed + 2)
@@ -152,14 +155,14 @@ def designed_tensors(cfg: dict, seed: int) -> dict:
     followed = (~free).nonzero().squeeze(1)
     # logit of succ(x) after x ~ HEAD_LOGIT * cos(hidden, embed[x]) (hidden RMS-normed: norm
     # sqrt(H)); the other rows' logits stay ~N(0, 1)
-    head[succ[followed]] += HEAD_LOGIT * H**-0.5 * unit[followed]
+    head[succ[followed]] += head_logit * H**-0.5 * unit[followed]
     # Markov: W1[x] a random unit direction, W2[succ(x)] the same direction, so W2 W1[x]
     # peaks at succ(x) with MARKOV_GAIN and is ~MARKOV_GAIN / sqrt(r) elsewhere.
     w1 = torch.randn(V, r, generator=gen)
     w1 = w1 / w1.norm(dim=-1, keepdim=True) * math.sqrt(MARKOV_GAIN)
     w2 = torch.zeros(V, r)
     w2[succ] = w1
-    last = f"mtp.{tiny.REAL_STAGES - 1}"
+    last = f"mtp.{stages - 1}"
     return {
         "embed.weight": embed.to(torch.bfloat16),
         "head.weight": head.to(torch.bfloat16),
