@@ -30,7 +30,7 @@ OVERLAY_FILES := $(shell find overlay -type f ! -name '*.pyc' 2>/dev/null)
 TRITON_ORACLE := $(CACHE)/triton-oracle
 VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
 
-.PHONY: help setup demo serve test test-fast upstream-tests mutation bench ab lint apply revert check model \
+.PHONY: help setup demo serve test test-fast upstream-tests mutation bench ab lint apply revert check model model-membound \
         image selftest status up down logs smoke audit rehearse clean
 
 help: ## this list
@@ -77,6 +77,10 @@ model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/, t
 model-tp4: setup ## the four-output-group tiny checkpoint the cpu-4x profile serves (TP=4), its draft trained (once)
 	@[ -f $(TINY_TP4_MODEL)/config.json ] || $(PY) -m scripts.tiny.make_tiny_model --dspark --o-groups 4 --out $(TINY_TP4_MODEL)
 	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.train_tiny_draft --model $(TINY_TP4_MODEL)
+
+MEMBOUND_MODEL := models/membound-dsv4-dspark
+model-membound: setup ## the memory-bound CPU twin for benchmarks (2.7 GB, about 20 min once: generation, then draft training); cached
+	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.membound --out $(MEMBOUND_MODEL)
 
 demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
 	$(VLLM_CPU_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 $(PY) -m scripts.demo --model $(TINY_MODEL)

@@ -16,8 +16,10 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -110,6 +112,40 @@ def acceptance_lines(ab: dict[str, Any]) -> list[str]:
     return lines
 
 
+def speed_by_concurrency(ab: dict[str, Any]) -> dict[int, float]:
+    """A / B of server decode tok/s per concurrency: the geometric mean over that
+    concurrency's levels (content types x prompt lengths) of each level's A / B."""
+    by_c: dict[int, list[float]] = {}
+    for row in ab["ratios"]:
+        b_over_a = row["ratios"]["server decode tok/s"]
+        if b_over_a:
+            by_c.setdefault(row["concurrency"], []).append(1.0 / b_over_a)
+    return {c: math.exp(statistics.mean(map(math.log, v))) for c, v in sorted(by_c.items())}
+
+
+def position_lines(ab: dict[str, Any]) -> list[str]:
+    """Per draft position, the share of drafts accepted there, per concurrency (speculating
+    sides only): the acceptance curve the speed ratio comes from."""
+    lines = []
+    for side in (ab["a"], ab["b"]):
+        levels = side["result"]["levels"]
+        for c in sorted({lv["concurrency"] for lv in levels}):
+            acc = report.acceptance([lv for lv in levels if lv["concurrency"] == c])
+            if acc:
+                cells = ", ".join(f"{x:.2f}" for x in acc["per_position"])
+                lines.append(f"- {side['name']} c={c}: acceptance length "
+                             f"{acc['mean_acceptance_length']:.2f}, per position [{cells}]")
+    return lines
+
+
+def summary_line(ab: dict[str, Any]) -> str:
+    """``ab: DSpark/plain c=1 X.XXx, c=4 Y.YYx`` (A / B decode rate per concurrency)."""
+    names = ("DSpark", "plain") if (ab["a"]["name"], ab["b"]["name"]) == ("dspark", "no-spec") \
+        else (ab["a"]["name"], ab["b"]["name"])
+    cells = ", ".join(f"c={c} {x:.2f}x" for c, x in speed_by_concurrency(ab).items())
+    return f"ab: {names[0]}/{names[1]} {cells}"
+
+
 def ab_markdown(ab: dict[str, Any]) -> str:
     a, b = ab["a"], ab["b"]
     p = a["result"]["provenance"]
@@ -119,6 +155,10 @@ def ab_markdown(ab: dict[str, Any]) -> str:
           for side, s in (("A", a), ("B", b))),
         f"- temperature: {ab.get('temperature', 'not recorded')}",
         *acceptance_lines(ab),
+        *position_lines(ab),
+        f"- {b['name']} / {a['name']} decode tok/s is the table's first column; "
+        + ", ".join(f"{a['name']} / {b['name']} at c={c}: {x:.2f}x (geometric mean over levels)"
+                    for c, x in speed_by_concurrency(ab).items()),
         f"- run one after the other, {p['created_utc']}, commit {p['commit']}"
         f"{' (dirty)' if p['dirty'] else ''}, client machine {p['gpu'] or p['cpu']}, "
         f"vLLM {p['vllm_server'] or p['vllm_client']}", "",
@@ -223,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
           "temperature": stated_temperature(args.temperature, profile),
           "a": sides[0], "b": sides[1],
           "ratios": ratio_table(sides[0]["result"], sides[1]["result"])}
+    ab["a_over_b_decode_by_concurrency"] = speed_by_concurrency(ab)
     stem.with_suffix(".json").write_text(json.dumps(ab, indent=2) + "\n", encoding="utf-8")
     stem.with_suffix(".md").write_text(ab_markdown(ab), encoding="utf-8")
     print(ab_markdown(ab))
     print(f"wrote {stem}.json, {stem}.md and the outputs of both sweeps", file=sys.stderr)
+    print(summary_line(ab))
     return 0
 
 

@@ -46,7 +46,12 @@ from scripts.tiny import shape_true
 
 RECORD = "membound.json"
 TEMPERATURE = 0.8  # what the checkpoint is served at (generation_config.json)
-HEAD_LOGIT = 12.0
+HEAD_LOGIT = 14.0
+# The random layers' output projections (attention's wo_b, every expert's w2) scaled by this:
+# at 1, 14 random layers drown the embedding in the residual stream and the designed head
+# has nothing to read (measured: mean top-1 probability 0.012 at HEAD_LOGIT 12).
+OUTPUT_SCALE = 0.15
+OUTPUTS = (".attn.wo_b.weight", ".w2.weight")
 # The twin's geometry (make_tiny_model options). Layer pattern as published: a pure-SWA first
 # layer, then C4A / C128A alternating.
 GEOMETRY = {
@@ -80,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--head-logit", type=float, default=HEAD_LOGIT,
                    help="successor logit per unit cosine: how peaked the target is")
+    p.add_argument("--output-scale", type=float, default=OUTPUT_SCALE,
+                   help="scale of the layers' output projections (how much the random "
+                   "layers move the residual stream)")
     p.add_argument("--temperature", type=float, default=TEMPERATURE,
                    help="the temperature generation_config.json serves")
     p.add_argument("--layers", type=int, default=GEOMETRY["layers"],
@@ -200,6 +208,9 @@ def generate(args, out: Path) -> dict:
               f"{targs.experts} experts of {targs.moe_intermediate_size}, hidden "
               f"{targs.hidden_size} (10-20 s per layer on 2 cores)", flush=True)
         tensors = tiny.build_tensors(cfg, args.seed, progress, targs.mtp_layers)
+        for name, t in tensors.items():
+            if name.endswith(OUTPUTS):
+                tensors[name] = (t.float() * args.output_scale).to(t.dtype)
         tensors.update(shape_true.designed_tensors(cfg, args.seed, args.head_logit,
                                                    targs.mtp_layers))
         size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -217,8 +228,38 @@ def generate(args, out: Path) -> dict:
     return record
 
 
+def measure_top1(out: Path, prompts: int = 4, tokens: int = 32, seed: int = 0) -> dict:
+    """The target's mean top-1 probability (temperature 1) along its own greedy continuations
+    of random prompts, in real vLLM: the logprob vLLM reports for each greedy token."""
+    import math
+    import random
+    import statistics
+
+    for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    cfg = json.loads((out / "config.json").read_text())
+    llm = LLM(model=str(out), dtype="bfloat16", enforce_eager=True, max_model_len=512,
+              max_num_seqs=prompts, seed=seed)
+    rng = random.Random(seed)
+    ids = [[rng.randrange(len(tiny.SPECIAL_TOKENS), cfg["vocab_size"] - 8) for _ in range(64)]
+           for _ in range(prompts)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    top1 = [math.exp(next(iter(lp.values())).logprob)
+            for o in outs for lp in o.outputs[0].logprobs]
+    return {"mean_top1_probability": round(statistics.mean(top1), 4),
+            "median_top1_probability": round(statistics.median(top1), 4),
+            "share_above_0.5": round(sum(p > 0.5 for p in top1) / len(top1), 4),
+            "tokens": len(top1), "distinct_tokens_per_sequence": round(statistics.mean(
+                len(set(o.outputs[0].token_ids)) for o in outs), 1)}
+
+
 def record_options(args) -> dict:
     return {"seed": args.seed, "head_logit": args.head_logit, "temperature": args.temperature,
+            "output_scale": args.output_scale,
             "layers": args.layers, "experts": args.experts, "geometry": GEOMETRY}
 
 
@@ -234,6 +275,16 @@ def main(argv=None) -> int:
         if out.exists() and any(out.iterdir()) and not args.force and not path.is_file():
             raise SystemExit(f"error: {out} is not empty and holds no twin; pass --force")
         generate(args, out)
+    record = json.loads(path.read_text())
+    if "target" not in record:
+        print(">> measuring the target's top-1 probability (one engine, a few minutes)",
+              flush=True)
+        record["target"] = measure_top1(out)
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    t = record["target"]
+    print(f">> target: mean top-1 probability {t['mean_top1_probability']:.2f} "
+          f"(median {t['median_top1_probability']:.2f}, above 0.5 for "
+          f"{t['share_above_0.5']:.0%} of {t['tokens']} greedy tokens)", flush=True)
     if args.no_train:
         return 0
     from scripts.tiny import train_tiny_draft
