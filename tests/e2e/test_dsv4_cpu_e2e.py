@@ -68,9 +68,9 @@ def _make_model(out: Path, *args: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny") / "tiny-dsv4-dspark"
-    return _make_model(out, "--dspark", "--quiet")
+def tiny_model(dspark) -> Path:
+    """The default tiny DSpark checkpoint as generated (conftest's session fixture)."""
+    return dspark
 
 
 @pytest.fixture(scope="module")
