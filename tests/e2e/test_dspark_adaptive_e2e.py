@@ -153,14 +153,14 @@ def test_no_step_verifies_more_rows_than_the_budget(runs, mode):
 def test_tp2_auto_under_a_row_budget_is_lossless(tmp_path):
     """TP=2 (the cpu-4x profile's engine at two ranks: async scheduling, prefix caching):
     ``adaptive: auto`` measures its table on both ranks, rank 0's is broadcast, and a row
-    budget of 10 (six requests verify 30 rows at full width) makes it cut. Greedy output
+    budget of 18 (six requests verify 30 rows at full width) makes it cut. Greedy output
     matches the TP=2 plain target by teacher forcing; both ranks count the same drafts."""
     from tests.e2e.runners import dspark_tp
 
     out = tmp_path / "tp2.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-           "DSPARK_ADAPTIVE": "auto", "DSPARK_VERIFY_ROW_BUDGET": "10",
+           "DSPARK_ADAPTIVE": "auto", "DSPARK_VERIFY_ROW_BUDGET": "18",
            "DSPARK_COST_TABLE_DIR": str(tmp_path / "tables")}
     proc = subprocess.run([sys.executable, "-m", dspark_tp.__name__, "--model",
                            str(ensure_tiny_model()), "--out", str(out), "--tp", "2"],

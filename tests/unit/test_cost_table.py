@@ -144,3 +144,10 @@ def test_hold_row_budget_trims_running_requests_in_place():
     hold_row_budget(running, 9)  # 3 decoding requests: 6 drafts
     assert [len(r.spec_token_ids) for r in running] == [2, 2, 2, 0]
     assert shared == [-1, -1, -1, -1]  # trimmed by copy, the shared list untouched
+
+
+def test_request_counts_over_the_budget_are_not_measured():
+    table = measure(lambda r, w: 1.0 + r * (w + 1), [1, 2, 4, 8, 16], 4, row_budget=10,
+                    max_rows=80)
+    assert table.requests == (1, 2, 4, 8)  # 16 requests cannot fit 10 rows even undrafted
+    assert table.step_ms(16, 16) == math.inf

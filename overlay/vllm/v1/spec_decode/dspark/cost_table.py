@@ -190,6 +190,7 @@ def measure(
     fastest kept per point (a first run's one-time costs only ever add time too)."""
     start = time.perf_counter()
     limit = max_rows if row_budget is None else min(max_rows, row_budget)
+    requests = [r for r in requests if r <= limit]  # at least one row per request
     points = [(i, r, w) for i, r in enumerate(requests) for w in range(num_spec_tokens + 1)
               if r * (w + 1) <= limit]
     best = np.full((len(requests), num_spec_tokens + 1), np.nan)

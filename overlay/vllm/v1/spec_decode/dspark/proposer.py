@@ -120,6 +120,11 @@ class DSparkProposer:
         # can pay (or a row budget binds); "on" whenever there is a table.
         self.adaptive_mode = cost_table.env_mode() if self.adaptive else "off"
         self.row_budget = cost_table.env_row_budget() if self.adaptive else None
+        if self.row_budget is not None and self.row_budget < self.max_num_seqs:
+            raise ValueError(
+                f"{cost_table.BUDGET_ENV}={self.row_budget} is below max_num_seqs="
+                f"{self.max_num_seqs}: every request needs one verify row"
+            )
         self.min_gain = cost_table.DEFAULT_MIN_GAIN
         self.cost_table: cost_table.StepCostTable | None = None
         self.rule_on = False  # the cut runs each step (decided once the table is in place)
