@@ -150,17 +150,32 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
 # ------------------------------------------------------------------------ parent
 
 
-def run_child(args, concurrency: int) -> dict[str, Any]:
+def run_children(args) -> dict[int, dict[str, Any]]:
+    """One engine process per concurrency, ``--jobs`` of them at a time (each compares its
+    modes inside itself, so engines running side by side only add noise, not bias)."""
+    results: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, **ENGINE_ENV, "DSPARK_COST_TABLE_DIR": tmp}
-        out = Path(tmp) / "child.json"
-        cmd = [sys.executable, "-m", "scripts.bench.adaptive", "--worker", "--child-out",
-               str(out), "--profile", args.profile, "--concurrency", str(concurrency),
-               "--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens)]
-        proc = subprocess.run(cmd, cwd=recipe.REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"engine at c={concurrency} failed:\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+        pending, running = list(args.concurrency), []
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                c = pending.pop(0)
+                tables = Path(tmp) / f"tables-{c}"  # empty: the engine measures its table
+                env = {**os.environ, **ENGINE_ENV, "DSPARK_COST_TABLE_DIR": str(tables)}
+                out = Path(tmp) / f"child-{c}.json"
+                cmd = [sys.executable, "-m", "scripts.bench.adaptive", "--worker",
+                       "--child-out", str(out), "--profile", args.profile, "--concurrency",
+                       str(c), "--rounds", str(args.rounds), "--max-tokens",
+                       str(args.max_tokens)]
+                err = open(Path(tmp) / f"child-{c}.err", "w")  # noqa: SIM115
+                proc = subprocess.Popen(cmd, cwd=recipe.REPO, env=env, stdout=err, stderr=err)
+                running.append((c, proc, out, err))
+            c, proc, out, err = running.pop(0)
+            proc.wait()
+            err.close()
+            if proc.returncode != 0:
+                sys.exit(f"engine at c={c} failed:\n{Path(err.name).read_text()[-4000:]}")
+            results[c] = json.loads(out.read_text())
+    return results
 
 
 def summarize(child: dict[str, Any]) -> dict[str, Any]:
@@ -245,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="concurrent requests (max_num_seqs), one engine each")
     ap.add_argument("--rounds", type=int, default=6, help="passes of every mode per engine")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--jobs", type=int, default=1, help="engines at a time (default 1)")
     ap.add_argument("--out", type=Path, help="default: bench-results/adaptive-PROFILE.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.max_tokens < 1 or min(args.concurrency) < 1:
-        ap.error("--rounds, --concurrency and --max-tokens must be at least 1")
+    if min(args.rounds, args.max_tokens, args.jobs, *args.concurrency) < 1:
+        ap.error("--rounds, --concurrency, --max-tokens and --jobs must be at least 1")
     recipe.load_profile(args.profile)  # a clear error before any engine starts
     if args.worker:
         result = worker(args.profile, args.concurrency[0], args.rounds, args.max_tokens)
@@ -259,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or OUT_DIR / f"adaptive-{args.profile}.json"
     results: dict[int, dict[str, Any]] = {}
-    for c in args.concurrency:
-        s = summarize(run_child(args, c))
+    for c, child in sorted(run_children(args).items()):
+        s = summarize(child)
         results[c] = s
         tok = " ".join(f"{m} {v['tok_s']:.1f}" for m, v in s["modes"].items())
         print(f"c={c}: tok/s {tok}; best fixed {s['best_fixed']}; auto/best "
@@ -277,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_lens": PROMPT_LENS,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "jobs": args.jobs,
         "concurrency": {str(c): s for c, s in results.items()},
         "summary": summary_line(results),
     }
