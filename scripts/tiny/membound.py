@@ -206,7 +206,7 @@ def generate(args, out: Path) -> dict:
         tiny.write_tokenizer(tmp, targs.vocab_size, args.seed, targs.max_position_embeddings)
         print(f"[2/3] weights: {targs.layers} target layers + {targs.mtp_layers} draft stage, "
               f"{targs.experts} experts of {targs.moe_intermediate_size}, hidden "
-              f"{targs.hidden_size} (10-20 s per layer on 2 cores)", flush=True)
+              f"{targs.hidden_size} (10-20 s per layer on 2 idle cores, minutes on busy ones)", flush=True)
         tensors = tiny.build_tensors(cfg, args.seed, progress, targs.mtp_layers)
         for name, t in tensors.items():
             if name.endswith(OUTPUTS):
