@@ -122,7 +122,9 @@ class Rehearsal:
             "MODEL_CACHE_DIR": str(self.rundir / "hf"),
             "PROFILE": self.profile_ref,
             "VLLM_API_KEY": self.key,
-            "HEAD_WAIT_TIMEOUT_S": "300",
+            # As long as the head may take to form the engine (--start-timeout): on a loaded
+            # 2-core machine the head's own start alone can pass 300 s.
+            "HEAD_WAIT_TIMEOUT_S": str(int(self.args.start_timeout)),
             # The rehearsal's namespaces have the fabric link and loopback only: nothing else
             # can reach the store, which listens on every interface (README "Operating", security).
             "FIREWALLED_PORTS": str(self.master_port),
@@ -190,7 +192,7 @@ class Rehearsal:
             time.sleep(worker_first_s)
             waiting = all("head not up yet" in w.log_text() and w.alive() for w in self.workers)
             self.check(f"{label}: the workers started first wait for the head", waiting,
-                       f"{worker_first_s:.0f}s, HEAD_WAIT_TIMEOUT_S=300")  # fmt: skip
+                       f"{worker_first_s:.0f}s, HEAD_WAIT_TIMEOUT_S={int(self.args.start_timeout)}")  # fmt: skip
         for node in second:
             node.start()
         up = self.wait_healthy(self.args.start_timeout)
