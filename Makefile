@@ -85,7 +85,7 @@ model-tp4: setup ## the four-output-group tiny checkpoint the cpu-4x profile ser
 	@[ -f $(TINY_TP4_MODEL)/config.json ] || $(PY) -m scripts.tiny.make_tiny_model --dspark --o-groups 4 --out $(TINY_TP4_MODEL)
 
 MEMBOUND_MODEL := models/membound-dsv4-dspark
-model-membound: setup ## the memory-bound CPU twin for benchmarks (2.7 GB, about 20 min once: generation, then draft training); cached
+model-membound: setup ## the memory-bound CPU twin for benchmarks (2.7 GB; once: generation about 6 min on 2 lightly loaded cores, then the target measured and the draft trained); cached
 	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.membound --out $(MEMBOUND_MODEL)
 
 demo: setup model ## run DSpark in real vLLM on CPU over a mixed batch (the main job)
