@@ -8,8 +8,8 @@ greedy, the profile's own step budget), started with an empty cost-table cache s
 measures its step-time table as a fresh deployment does. Inside that engine, passes of c
 requests (the same prompts every pass) rotate between the modes:
 
-- ``auto``: the engine as the profile configures it (the proposer's own decision from its
-  table: the cut rule, or nothing where the table predicts no gain);
+- ``auto``: the profile's engine with ``adaptive: auto`` (the proposer's own decision from
+  its table: the cut rule, or nothing where the table predicts no gain);
 - ``w1`` .. ``wk``: every request verifies its first w drafts (the benchmark replaces the
   proposer's cut by that truncation; ``wk`` is full-width verification, adaptive off).
 
@@ -75,6 +75,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     from vllm.v1.spec_decode.dspark.adaptive import apply_cut
 
     profile = recipe.load_profile(profile_name)
+    profile["speculative"]["adaptive"] = "auto"  # what is measured, whatever the profile ships
     os.environ.update(recipe.vllm_env(profile))
     kwargs = recipe.engine_args(profile)
     kwargs |= {"seed": 0, "max_num_seqs": concurrency, "async_scheduling": False}
