@@ -6,8 +6,15 @@ import math
 
 import numpy as np
 import pytest
-from vllm.v1.spec_decode.dspark import cost_table
-from vllm.v1.spec_decode.dspark.cost_table import StepCostTable, measure, monotone_in_rows
+
+from tests.support.overlay import load_overlay_module
+
+# Loaded by path: the table is host code, no vLLM import (unit tier).
+cost_table = load_overlay_module("vllm/v1/spec_decode/dspark/cost_table.py")
+StepCostTable, measure = cost_table.StepCostTable, cost_table.measure
+monotone_in_rows = cost_table.monotone_in_rows
+adaptive = load_overlay_module("vllm/v1/spec_decode/dspark/adaptive.py")
+fit_row_budget, hold_row_budget = adaptive.fit_row_budget, adaptive.hold_row_budget
 
 
 def test_interpolation_is_linear_in_width_and_in_requests():
@@ -67,6 +74,16 @@ def test_measure_times_every_point_within_the_budget_and_keeps_the_fastest():
     assert table.row_budget == 8
 
 
+
+def test_spread_says_how_much_the_passes_disagree():
+    table = measure(lambda r, w: 1.0 + r * (w + 1), [1, 2], 2, row_budget=None, max_rows=6)
+    assert table.spread == 0.0
+    passes = iter([1.0, 2.0] * 10)  # every point: 1 ms, then 2 ms
+    busy = measure(lambda r, w: next(passes), [1], 4, row_budget=None, max_rows=5)
+    assert busy.spread == pytest.approx(1.0) and busy.ms[0] == (1.0,) * 5
+    assert StepCostTable.from_json(busy.to_json()).spread == pytest.approx(1.0)
+
+
 def test_json_round_trip_and_version_check():
     nan = float("nan")
     table = StepCostTable((1, 2), ((1.0, 2.0), (3.0, nan)), row_budget=3, measure_seconds=1.5)
@@ -118,8 +135,6 @@ def test_mode_and_budget_from_the_environment(monkeypatch):
 
 
 def test_fit_row_budget_trims_the_longest_first_and_never_grows():
-    from vllm.v1.spec_decode.dspark.adaptive import fit_row_budget
-
     assert fit_row_budget([4, 4, 4], 20) == [4, 4, 4]  # 15 rows fit
     assert fit_row_budget([4, 1, 4], 9) == [3, 1, 2]  # 6 drafts: cap 2, one spare
     assert fit_row_budget([4, 4], 2) == [0, 0]
@@ -135,8 +150,6 @@ def test_fit_row_budget_trims_the_longest_first_and_never_grows():
 
 def test_hold_row_budget_trims_running_requests_in_place():
     from types import SimpleNamespace
-
-    from vllm.v1.spec_decode.dspark.adaptive import hold_row_budget
 
     shared = [-1, -1, -1, -1]  # the async scheduler shares one placeholder list
     running = [SimpleNamespace(is_prefill_chunk=False, spec_token_ids=shared) for _ in range(3)]

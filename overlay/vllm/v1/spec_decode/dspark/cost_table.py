@@ -60,6 +60,9 @@ CACHE_DIR_ENV = "DSPARK_COST_TABLE_DIR"
 DEFAULT_MIN_GAIN = 0.04
 TABLE_VERSION = 1
 REPEATS = 2
+# A table whose passes disagree by more than this (median over points) was measured on a busy
+# machine: it is used, but not kept for the next start, which measures again.
+MAX_CACHED_SPREAD = 0.2
 # Context per request in the timed forwards: attention reads it for every verify row.
 CONTEXT_TOKENS = 256
 
@@ -74,6 +77,8 @@ class StepCostTable:
     ms: tuple[tuple[float, ...], ...]
     row_budget: int | None = None
     measure_seconds: float = 0.0
+    # Median relative spread between the passes of a point: how busy the machine was.
+    spread: float = 0.0
 
     def __post_init__(self) -> None:
         table = np.asarray(self.ms, dtype=np.float64)
@@ -151,7 +156,8 @@ class StepCostTable:
         ms = [[None if np.isnan(t) else round(float(t), 4) for t in row] for row in self.ms]
         return json.dumps({"version": TABLE_VERSION, "requests": list(self.requests), "ms": ms,
                            "row_budget": self.row_budget,
-                           "measure_seconds": round(self.measure_seconds, 3)})
+                           "measure_seconds": round(self.measure_seconds, 3),
+                           "spread": round(self.spread, 4)})
 
     @classmethod
     def from_json(cls, text: str) -> StepCostTable:
@@ -161,7 +167,7 @@ class StepCostTable:
         ms = tuple(tuple(float("nan") if t is None else float(t) for t in row)
                    for row in data["ms"])
         return cls(tuple(data["requests"]), ms, data["row_budget"],
-                   float(data.get("measure_seconds", 0.0)))
+                   float(data.get("measure_seconds", 0.0)), float(data.get("spread", 0.0)))
 
 
 def monotone_in_rows(times: Sequence[float]) -> list[float]:
@@ -194,13 +200,17 @@ def measure(
     points = [(i, r, w) for i, r in enumerate(requests) for w in range(num_spec_tokens + 1)
               if r * (w + 1) <= limit]
     best = np.full((len(requests), num_spec_tokens + 1), np.nan)
+    worst = np.full_like(best, np.nan)
     for _ in range(repeats):
         for i, r, w in points:
             ms = run_point(r, w)
             if not ms >= best[i, w]:
                 best[i, w] = ms
+            if not ms <= worst[i, w]:
+                worst[i, w] = ms
+    spread = float(np.nanmedian((worst - best) / best)) if points else 0.0
     ms = tuple(tuple(monotone_in_rows(row)) for row in best.tolist())
-    return StepCostTable(tuple(requests), ms, row_budget, time.perf_counter() - start)
+    return StepCostTable(tuple(requests), ms, row_budget, time.perf_counter() - start, spread)
 
 
 def device_name(device_type: str) -> str:

@@ -452,8 +452,14 @@ class DSparkProposer:
                 )
             finally:
                 self._measuring = False
-            if rank == 0:
+            if rank == 0 and table.spread <= cost_table.MAX_CACHED_SPREAD:
                 cost_table.write_cached(path, table)
+            elif rank == 0:
+                logger.warning(
+                    "DSpark cost table: the two timing passes differ by %.0f%% (a busy "
+                    "machine); used now, not cached, measured again at the next start",
+                    100 * table.spread,
+                )
         if self.tp_size > 1:
             from vllm.distributed import get_tp_group
 
