@@ -20,6 +20,10 @@ from pathlib import Path
 
 from scripts import recipe
 from scripts.tiny.ensure import ensure_tiny_model
+from scripts.tiny.membound import DEFAULT_OUT as TWIN_DIR
+from scripts.tiny.membound import RECORD as TWIN_RECORD
+
+TWIN_NAME = TWIN_DIR.name
 
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -62,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     if profile["device"] == "cpu":
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if not args.dry_run:
-            ensure_tiny_model(Path(recipe.model_ref(profile)), train=False, announce="serve: ")
+        model = Path(recipe.model_ref(profile))
+        if (model / TWIN_RECORD).is_file():
+            pass  # the memory-bound twin (make model-membound): its own generation config
+        elif model.name == TWIN_NAME:
+            print(f"serve: {model} is missing: run `make model-membound` first", file=sys.stderr)
+            return 2
+        elif not args.dry_run:
+            ensure_tiny_model(model, train=False, announce="serve: ")
     vllm = str(Path(sys.executable).with_name("vllm"))
     cmd = [vllm, "serve", *recipe.serve_argv(profile), *args.extra]
     print("serve: " + " ".join([*(f"{k}={v}" for k, v in runner.items()), *cmd]), flush=True)

@@ -45,6 +45,7 @@ from scripts.tiny import make_tiny_model as tiny
 from scripts.tiny import shape_true
 
 RECORD = "membound.json"
+DEFAULT_OUT = Path("models/membound-dsv4-dspark")
 TEMPERATURE = 0.8  # what the checkpoint is served at (generation_config.json)
 HEAD_LOGIT = 14.0
 # The random layers' output projections (attention's wo_b, every expert's w2) scaled by this:
@@ -81,7 +82,7 @@ PUBLISHED_CONFIG = Path(__file__).resolve().parents[2] / "tests/fixtures/dsv4_fl
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("models/membound-dsv4-dspark"))
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--head-logit", type=float, default=HEAD_LOGIT,
                    help="successor logit per unit cosine: how peaked the target is")
