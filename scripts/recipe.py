@@ -630,51 +630,6 @@ def _print_vars(values: dict[str, str], style: str) -> None:
             print(f"{key}={value}")
 
 
-def _node_command(args: argparse.Namespace) -> int:
-    """Node policy (scripts/node/), shared by preflight.sh and the container entrypoint."""
-    import os
-
-    from scripts.node import audit, cache, env
-    from scripts.node.report import Report
-
-    report = Report()
-    if args.cmd == "audit":
-        try:
-            profile = load_profile(args.profile)
-            rows = audit.parse_ss(args.ss.read_text())
-        except (RecipeError, OSError, ValueError) as exc:
-            report.fail("audit", f"cannot audit: {exc}", "fix the profile or the ss output file")
-            return report.exit_code
-        audit.check(rows, os.environ, profile["serving"]["port"],
-                    profile["parallel"]["master_port"], args.pids, report)
-        return report.exit_code
-    if args.cmd == "env-file":
-        values = env.parse_env_file(args.file, report)
-        if values is not None:
-            print(env.exports(values, os.environ), end="")
-    elif args.cmd == "check-env":
-        mode = "container" if args.container else "host"
-        if env.check(os.environ, mode, args.nnodes, report):
-            role = "head" if os.environ.get("NODE_RANK") == "0" else "worker"
-            report.passed("env", f"variables are well-formed ({mode if args.container else role})")
-    else:
-        try:
-            profile = load_profile(args.profile)
-        except RecipeError as exc:
-            report.fail("cache", f"profile {args.profile!r}: {exc}", "fix the profile")
-            return report.exit_code
-        cache.check(args.cache_dir, model_ref(profile), profile["model"]["revision"], args.image,
-                    args.container_uid, report)
-    return report.exit_code
-
-
-def _pid_set(text: str) -> set[int]:
-    try:
-        return {int(p) for p in text.replace(",", " ").split()}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--pids: {text!r} is not a comma-separated pid list")
-
-
 def _api_host(value: str) -> str:
     from scripts.node.api import bind_host
 
@@ -684,6 +639,7 @@ def _api_host(value: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scripts.node import commands as node_commands  # imports this module
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_val = sub.add_parser("validate", help="check profiles (all profiles with --all)")
@@ -710,11 +666,11 @@ def main(argv: list[str] | None = None) -> int:
     p_audit = sub.add_parser("audit", help="judge the listening sockets of a running node")
     p_audit.add_argument("profile")
     p_audit.add_argument("--ss", type=Path, required=True, help="saved `ss -ltnp` output")
-    p_audit.add_argument("--pids", type=_pid_set, help="the container's pids, comma-separated "
+    p_audit.add_argument("--pids", type=node_commands.pid_set, help="the container's pids, comma-separated "
                          "(default: processes named like vLLM or Python)")
     args = parser.parse_args(argv)
     if args.cmd in ("env-file", "check-env", "check-cache", "audit"):
-        return _node_command(args)
+        return node_commands.run(args)
     try:
         if args.cmd == "validate":
             names = list_profiles() if args.all else args.profile

@@ -7,8 +7,8 @@ from typing import TextIO
 
 
 class Report:
-    def __init__(self, out: TextIO = sys.stdout):
-        self.out = out
+    def __init__(self, out: TextIO | None = None):
+        self.out = sys.stdout if out is None else out  # the stream at use, not at import
         self.fails = self.warns = 0
 
     def passed(self, check: str, text: str) -> None:
