@@ -87,9 +87,12 @@ def engine_kwargs(model: str, batched_tokens: int | None, speculative: bool) -> 
     if batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = batched_tokens
     if speculative:
+        # Every draft verified: the scripted and replayed phases count acceptance at full
+        # width (adaptive verification has its own end-to-end tests).
         kwargs["speculative_config"] = {
             **kwargs["speculative_config"],
             "draft_sample_method": "probabilistic",
+            "enable_adaptive_verification": False,
         }
     assert kwargs["max_num_seqs"] == MAX_NUM_SEQS, "the phases are sized for 8 sequences"
     return kwargs
