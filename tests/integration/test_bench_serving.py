@@ -294,10 +294,12 @@ def test_ab_configuration_sets_profile_keys_and_names_bad_ones():
 
 
 def test_the_spark_runner_ab_has_a_shipped_profile_on_each_side():
-    """spark-2x-upstream.yaml is spark-2x.yaml with speculative.runner=upstream, nothing else."""
+    """spark-2x-upstream.yaml is spark-2x.yaml with speculative.runner=upstream and the
+    concurrency FlashInfer's 64 decode rows allow without the overlay's row budget."""
     spark = recipe.load_profile("spark-2x")
     for text, shipped in (("overlay:speculative.runner=overlay", "spark-2x"),
-                          ("upstream:speculative.runner=upstream", "spark-2x-upstream")):
+                          ("upstream:speculative.runner=upstream,serving.max_num_seqs=10",
+                           "spark-2x-upstream")):
         assert ab.shipped_profile(ab.parse_variant(text, spark)[1]) == shipped
     assert ab.shipped_profile(ab.parse_variant("k3:speculative.num_speculative_tokens=3",
                                                spark)[1]) is None
