@@ -30,14 +30,14 @@ OFFICIAL = {
     ("docs.vllm.ai", "/"),
 }
 PROFILE_KEY = re.compile(r"(?<![\w./])((?:model|parallel|serving|speculative|demo)\.[a-z_]+)(?![\w.])")
-MAKE_VAR = re.compile(r"(?:^|\s)make\s+(?:[a-z][a-z-]*\s+)?((?:[A-Z_]+=\S*(?:[ \t]+|$))+)", re.M)
+MAKE_VAR = re.compile(r"(?:^|\s)make\s+(?:[a-z][a-z0-9-]*\s+)?((?:[A-Z_]+=\S*(?:[ \t]+|$))+)", re.M)
 COMPOSE_SERVICE = re.compile(r"--profile\s+(\w+)\s+(?:up|down)(?:\s+-d)?((?:\s+[a-z]+)*)")
 MAX_README_LINES = 300
 SPARK_SECTION_WITHIN = 100
 
 FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 INLINE = re.compile(r"`([^`\n]+)`")
-MAKE = re.compile(r"(?:^|[\s;&|(])make\s+(?:[A-Z_]+=\S*\s+)*([a-z][a-z-]*)")
+MAKE = re.compile(r"(?:^|[\s;&|(])make\s+(?:[A-Z_]+=\S*\s+)*([a-z][a-z0-9-]*)")
 MODULE = re.compile(r"python\s+-m\s+(scripts(?:\.\w+)+)")
 # A repository path: starts at a top-level folder the product card names; docker/.env is the
 # file the user writes, not one the repository ships.
@@ -61,7 +61,7 @@ def code_spans(text: str) -> list[str]:
 
 def makefile_targets() -> set[str]:
     text = (REPO / "Makefile").read_text()
-    return set(re.findall(r"^([a-z][a-z-]*)\s*:(?!=)", text, re.M))
+    return set(re.findall(r"^([a-z][a-z0-9-]*)\s*:(?!=)", text, re.M))
 
 
 def module_file_exists(module: str) -> bool:
