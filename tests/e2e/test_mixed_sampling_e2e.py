@@ -1,8 +1,9 @@
 """Greedy requests beside sampled ones under speculation, in real vLLM on CPU (issue 19).
 
-One subprocess per speculative method (``tests/e2e/runners/mixed_sampling.py``): DSpark with
-greedy and with probabilistic drafting (also under vLLM's async scheduler, as the Sparks run
-it), and vLLM's own ngram method. Rounds mix greedy and
+One subprocess runs every speculative method in turn, one engine at a time
+(``tests/e2e/runners/mixed_sampling.py``): DSpark with greedy and with probabilistic drafting
+(also under vLLM's async scheduler, as the Sparks run it), and vLLM's own ngram method; each
+method's results are checked as its own case. Rounds mix greedy and
 sampled requests in different proportions and prompt lengths under 64-token chunked prefill;
 the plain target then scores every greedy output by teacher forcing (``support.greedy_oracle``:
 each emitted token must be within epsilon of the target's argmax given its own prefix).
@@ -31,24 +32,29 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(runner.SPECULATIVE))
-def run(request, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("mixed") / f"{request.param}.json"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every method's report, from one runner process (the plain target starts once)."""
+    out = tmp_path_factory.mktemp("mixed") / "report.json"
     cmd = [
         sys.executable,
         "-m",
         runner.__name__,
-        "--method",
-        request.param,
         "--model",
         str(ensure_tiny_model()),
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=2400)
     if proc.returncode != 0:
-        pytest.fail(f"{request.param} run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+        pytest.fail(f"mixed-sampling run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(params=sorted(runner.SPECULATIVE))
+def run(request, runs) -> dict:
+    assert runs[request.param]["method"] == request.param
+    return runs[request.param]
 
 
 def test_greedy_requests_are_lossless_beside_sampled_ones(run):

@@ -1,15 +1,16 @@
 """Subprocess driver for test_mixed_sampling_e2e: greedy and sampled requests in the same steps.
 
-    python -m tests.e2e.runners.mixed_sampling --method ngram --model DIR --out OUT.json
+    python -m tests.e2e.runners.mixed_sampling --model DIR --out OUT.json [--methods M ...]
 
-One process, two engines, in this order: the speculative engine (``--method``: DSpark with
-greedy or probabilistic drafting, the latter also with async scheduling, or vLLM's ngram)
-serves the rounds below; then the plain
-target without speculation scores every greedy output by teacher forcing. That the second
-engine starts at all is a check too: an ngram engine has loaded numba by then, which crashed
-the CPU kernel-override registration of any later engine before the overlay patched it.
+One process, one engine at a time, in this order: each speculative engine (``--methods``,
+default all: DSpark with greedy or probabilistic drafting, the latter also with async
+scheduling, and vLLM's ngram) serves the rounds below and is torn down; then the plain
+target without speculation scores every method's greedy outputs by teacher forcing. That
+the plain engine starts at all after ngram is a check too: an ngram engine has loaded numba
+by then, which crashed the CPU kernel-override registration of any later engine before the
+overlay patched it. The report maps each method to its rounds, counters, scheduler and oracle.
 
-Both engines chunk prefills at 64 tokens with at most 8 sequences, so prefill chunks, verify
+Every engine chunks prefills at 64 tokens with at most 8 sequences, so prefill chunks, verify
 rows, greedy and sampled requests share steps. Prompts repeat a short random pattern so that
 ngram finds matches and drafts too. Rounds:
 
@@ -172,22 +173,28 @@ def score(llm, rounds: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--method", choices=sorted(SPECULATIVE), required=True)
+    ap.add_argument("--methods", nargs="+", choices=sorted(SPECULATIVE),
+                    default=sorted(SPECULATIVE))
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    llm = make_llm(args.model, SPECULATIVE[args.method], args.method in ASYNC_SCHEDULING)
-    result = serve(llm)
-    result["scheduler"] = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    result["oracle"] = score(make_llm(args.model, None), result["rounds"])
-    result["method"] = args.method
-    Path(args.out).write_text(json.dumps(result))
+    results = {}
+    for method in args.methods:
+        llm = make_llm(args.model, SPECULATIVE[method], method in ASYNC_SCHEDULING)
+        result = serve(llm)
+        result["scheduler"] = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
+        result["method"] = method
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        results[method] = result
+    target = make_llm(args.model, None)
+    for result in results.values():
+        result["oracle"] = score(target, result["rounds"])
+    Path(args.out).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
