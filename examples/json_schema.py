@@ -1,20 +1,12 @@
 """Structured output: the answer is JSON that matches a JSON schema (vLLM's guided decoding).
 Thinking is off, so the whole answer is under the schema.
 
-Environment: as stream.py (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL, OPENAI_EXTRA_BODY).
+Environment: see connection.py.
 """
 
 import json
-import os
 
-from openai import OpenAI
-
-client = OpenAI(
-    base_url=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
-    api_key=os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY", ""),
-)
-model = os.environ.get("OPENAI_MODEL", "deepseek-v4-flash")
-extra = json.loads(os.environ.get("OPENAI_EXTRA_BODY", "{}"))
+from connection import client, extra, model
 
 city = {
     "type": "object",

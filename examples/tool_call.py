@@ -4,20 +4,12 @@ schema (the profile's `serving.tool_call_parser: deepseek_v4`), and the turn end
 `finish_reason: tool_calls`. `tool_choice="auto"` lets the model decide; a named function
 forces that one (the turn then ends with `stop`, as OpenAI's API does).
 
-Environment: as stream.py (OPENAI_BASE_URL, OPENAI_API_KEY, OPENAI_MODEL, OPENAI_EXTRA_BODY).
+Environment: see connection.py.
 """
 
 import json
-import os
 
-from openai import OpenAI
-
-client = OpenAI(
-    base_url=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
-    api_key=os.environ.get("OPENAI_API_KEY") or os.environ.get("VLLM_API_KEY", ""),
-)
-model = os.environ.get("OPENAI_MODEL", "deepseek-v4-flash")
-extra = json.loads(os.environ.get("OPENAI_EXTRA_BODY", "{}"))
+from connection import client, extra, model
 
 weather = {
     "type": "function",
