@@ -175,4 +175,7 @@ def test_tp2_auto_under_a_row_budget_is_lossless(tmp_path):
     first = report["per_rank"][0]["counters"]
     assert all(r["counters"] == first for r in report["per_rank"])
     assert 0 < first["verified_tokens"] < first["drafted_tokens"]  # the budget cut drafts
-    assert len(list((tmp_path / "tables").glob("*.json"))) == 1  # rank 0 wrote the table
+    # Rank 0 alone writes the table, and only a steady one (its two timing passes within
+    # 20%); on a busy machine the table is used but not cached, and the log says so.
+    tables = list((tmp_path / "tables").glob("*.json"))
+    assert len(tables) == 1 or (not tables and "not cached" in proc.stderr), tables
