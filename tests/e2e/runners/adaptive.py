@@ -1,11 +1,10 @@
 """Subprocess driver for the adaptive-verification end-to-end test (real vLLM, CPU, V1).
 
-    python -m tests.e2e.runners.adaptive fixed --model DIR --out R.json
-    python -m tests.e2e.runners.adaptive adaptive --model DIR --out R.json
-    python -m tests.e2e.runners.adaptive adaptive-async --model DIR --out R.json
-    python -m tests.e2e.runners.adaptive budget[-async] --model DIR --out R.json
+    python -m tests.e2e.runners.adaptive --model DIR --out R.json --tables DIR \
+        [--row-budget 12] [--modes fixed adaptive adaptive-async budget budget-async]
 
-Every mode runs the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
+One process, one engine at a time, the plain target (the oracle, a child process) started
+once; the report maps each mode to its result. Every mode runs the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
 chunked prefill) through one DSpark engine with the trained tiny draft, and records what
 the target verified each step: per request, its rows, the drafts it was scheduled (the
 proposer's ``num_draft_tokens``) and whether it was still in prefill. ``adaptive`` turns on
@@ -15,14 +14,17 @@ outputs with the greedy oracle (the plain target by teacher forcing, in a child 
 and runs the same seeded sampled requests twice, one batch after the other.
 ``adaptive-async`` does the same with async scheduling, where the cut reaches the
 scheduler as per-request draft budgets one step late. ``budget`` and ``budget-async`` run
-``adaptive: auto`` as a deployment does (the table measured by the engine itself) under
-the row budget in ``DSPARK_VERIFY_ROW_BUDGET``, smaller than full width at 8 requests.
+``adaptive: auto`` as a deployment does (the table measured by the engine itself, into a
+cache of its own under ``--tables``) under the row budget ``--row-budget``, set as a
+deployment sets it (``DSPARK_VERIFY_ROW_BUDGET``), smaller than full width at 8 requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -131,24 +133,47 @@ def run(
         first = len(steps)
         result["sampled"] = sampled_twice(engine, all_prompts)
         result["sampled_steps"] = steps[first:]
+    engine.engine_core.shutdown()
+    return result
+
+
+MODES = ("fixed", "adaptive", "adaptive-async", "budget", "budget-async")
+
+
+def run_mode(mode: str, model: str, target: PlainTarget, tables: Path, row_budget: int) -> dict:
+    """One mode's engine, from its own settings in the environment, torn down after."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.v1.spec_decode.dspark import cost_table
+
+    os.environ[cost_table.MODE_ENV] = "auto"
+    os.environ[cost_table.CACHE_DIR_ENV] = str(tables / mode)  # measured afresh
+    if mode.startswith("budget"):
+        os.environ[cost_table.BUDGET_ENV] = str(row_budget)
+    else:
+        os.environ.pop(cost_table.BUDGET_ENV, None)
+    if mode == "fixed":
+        result = run(model, adaptive=False)
+    else:
+        result = run(model, adaptive=True, target=target,
+                     async_scheduling=mode.endswith("-async"),
+                     measured_table=mode.startswith("budget"))
+    gc.collect()
+    cleanup_dist_env_and_memory()
     return result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["fixed", "adaptive", "adaptive-async", "budget",
-                                     "budget-async"])
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tables", type=Path, required=True, help="root of the table caches")
+    ap.add_argument("--row-budget", type=int, default=12)
     args = ap.parse_args()
-    if args.mode == "fixed":
-        result = run(args.model, adaptive=False)
-    else:
-        with PlainTarget(engine_kwargs(args.model, None, speculative=False)) as target:
-            result = run(args.model, adaptive=True, target=target,
-                         async_scheduling=args.mode.endswith("-async"),
-                         measured_table=args.mode.startswith("budget"))
-    Path(args.out).write_text(json.dumps(result))
+    with PlainTarget(engine_kwargs(args.model, None, speculative=False)) as target:
+        results = {mode: run_mode(mode, args.model, target, args.tables, args.row_budget)
+                   for mode in args.modes}
+    Path(args.out).write_text(json.dumps(results))
     return 0
 
 
