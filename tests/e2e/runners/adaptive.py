@@ -4,8 +4,8 @@
         [--row-budget 12] [--modes fixed adaptive adaptive-async budget budget-async]
 
 One process, one engine at a time, the plain target (the oracle, a child process) started
-once; the report maps each mode to its result. Every mode runs the same 8 greedy prompts (the e2e lossless set, 1..300 tokens, 64-token
-chunked prefill) through one DSpark engine with the trained tiny draft, and records what
+once; the report maps each mode to its result. Every mode runs the same 8 greedy prompts
+(the e2e lossless set, 1..300 tokens, 64-token chunked prefill) through one DSpark engine with the trained tiny draft, and records what
 the target verified each step: per request, its rows, the drafts it was scheduled (the
 proposer's ``num_draft_tokens``) and whether it was still in prefill. ``adaptive`` turns on
 ``enable_adaptive_verification`` with a given step-time table (a verify row at 2% of the
@@ -22,7 +22,6 @@ deployment sets it (``DSPARK_VERIFY_ROW_BUDGET``), smaller than full width at 8 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -40,6 +39,7 @@ from tests.e2e.runners.dspark import (
     prompts,
     score,
 )
+from tests.support.engine_teardown import release_engine_memory
 
 GREEDY = [f"L{i}" for i in range(8)]
 GREEDY_TOKENS = 16
@@ -142,7 +142,6 @@ MODES = ("fixed", "adaptive", "adaptive-async", "budget", "budget-async")
 
 def run_mode(mode: str, model: str, target: PlainTarget, tables: Path, row_budget: int) -> dict:
     """One mode's engine, from its own settings in the environment, torn down after."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.v1.spec_decode.dspark import cost_table
 
     os.environ[cost_table.MODE_ENV] = "auto"
@@ -157,8 +156,7 @@ def run_mode(mode: str, model: str, target: PlainTarget, tables: Path, row_budge
         result = run(model, adaptive=True, target=target,
                      async_scheduling=mode.endswith("-async"),
                      measured_table=mode.startswith("budget"))
-    gc.collect()
-    cleanup_dist_env_and_memory()
+    release_engine_memory()
     return result
 
 

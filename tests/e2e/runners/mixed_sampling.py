@@ -25,11 +25,11 @@ ngram finds matches and drafts too. Rounds:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 from pathlib import Path
 
+from tests.support.engine_teardown import release_engine_memory
 from tests.support.greedy_oracle import teacher_force
 
 CHUNK = 64
@@ -179,8 +179,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
     results = {}
     for method in args.methods:
         llm = make_llm(args.model, SPECULATIVE[method], method in ASYNC_SCHEDULING)
@@ -188,8 +186,7 @@ def main() -> None:
         result["scheduler"] = type(llm.llm_engine.engine_core.engine_core.scheduler).__name__
         result["method"] = method
         del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        release_engine_memory()
         results[method] = result
     target = make_llm(args.model, None)
     for result in results.values():
