@@ -421,6 +421,66 @@ def test_async_scheduling_gets_budgets_instead_of_cut_drafts(env, monkeypatch, p
     assert budgets[1] == NO_BUDGET and budgets[0] + budgets[2] == sum(want)
 
 
+class _Clock:
+    now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _decode_inputs(proposer, widths, step):
+    """Two requests in decode, verifying ``widths`` drafts each (the scheduler's trim)."""
+    shape = proposer.model.shape
+    gen = torch.Generator().manual_seed(step)
+    lengths = [w + 1 for w in widths]
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    rows = int(qsl[-1])
+    return DSparkStepInput(
+        req_ids=["a", "b"],
+        query_start_loc_cpu=qsl,
+        num_draft_tokens=np.array(widths),
+        prefilling=np.array([False, False]),
+        positions=torch.cat([torch.arange(n) + 20 + 6 * step for n in lengths]),
+        aux_hidden_states=torch.randn(rows, shape.hidden_size * len(shape.target_layer_ids),
+                                      generator=gen).to(torch.bfloat16),
+        num_rejected=torch.zeros(2, dtype=torch.int64),
+        next_token_ids=torch.randint(0, shape.vocab_size, (2,), generator=gen),
+    )
+
+
+def test_served_steps_correct_the_table(env, monkeypatch):
+    """The table prices rows at 100 ms but served steps pay 20 s plus half the table's time
+    (a constant the dummy forwards miss): exploration steps verify every draft, the fit of
+    served times recovers the line, the rule reads ``a + b x table`` and ``auto`` turns the
+    cut off (no cut can gain 4% of a 20 s step)."""
+    from vllm.v1.spec_decode.dspark.proposer import REFIT_EVERY
+    from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
+
+    table = linear_table(100.0)
+    proposer = _adaptive_proposer(env, monkeypatch, table, mode="auto", min_gain=0.04)
+    assert proposer.rule_on
+    clock = _Clock()
+    proposer.served = ServedStepFit(clock=clock)
+    k = proposer.num_speculative_tokens
+    cut_steps, whole_steps = [], []
+    for step in range(REFIT_EVERY):
+        widths = [step % (k + 1), (step + 2) % (k + 1)]
+        clock.now += (20_000.0 + 0.5 * table.step_ms(2, 2 + sum(widths))) / 1e3
+        counts = _counts(proposer.propose(_decode_inputs(proposer, widths, step)))
+        (whole_steps if counts == [k, k] else cut_steps).append(step)
+        if step < 8:
+            # Before a fit one proposal in EXPLORE_EARLY verifies every draft.
+            assert (counts == [k, k]) >= ((step + 1) % ServedStepFit.EXPLORE_EARLY == 0)
+    assert cut_steps  # the measured table alone makes the rule cut
+    a, b = proposer.served.fitted
+    assert a == pytest.approx(20_000.0, rel=1e-3) and b == pytest.approx(0.5, rel=1e-2)
+    want = a + b * table.matrix(proposer.max_num_seqs, proposer.max_num_seqs * (k + 1))
+    torch.testing.assert_close(proposer._step_ms[1:, 1:], torch.from_numpy(want)[1:, 1:].float())
+    assert not proposer.rule_on
+    counts = _counts(proposer.propose(_decode_inputs(proposer, [k, k], REFIT_EVERY)))
+    assert counts == [k, k]
+
+
 def test_budgets_reach_the_scheduler_with_the_step_output():
     """The async output wrapper: the inner output untouched, budgets keyed by request,
     requests without a budget left out (the scheduler keeps their k)."""

@@ -143,6 +143,11 @@ class StepCostTable:
             best = max(best, self.step_ms(r, full) / self.step_ms(r, r) - 1.0)
         return best
 
+    def affine(self, offset: float, scale: float) -> StepCostTable:
+        """This table with every time ``offset + scale * ms`` (served steps' correction)."""
+        ms = tuple(tuple(offset + scale * t for t in row) for row in self.ms)
+        return StepCostTable(self.requests, ms, self.row_budget, self.measure_seconds, self.spread)
+
     def describe(self) -> str:
         """A few lines for the log: ms by requests (rows) and width."""
         head = "requests | " + " ".join(f"w={w:<6d}" for w in range(self.num_spec_tokens + 1))

@@ -51,6 +51,7 @@ from vllm.models.deepseek_v4.common.dspark.model import (
 from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
 from vllm.v1.spec_decode.dspark import cost_table
 from vllm.v1.spec_decode.dspark.adaptive import apply_cut, draft_budget_mask, draft_budgets
+from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.graphs import (
@@ -69,6 +70,7 @@ from vllm.v1.spec_decode.dspark.step_plan import (
 )
 
 logger = init_logger(__name__)
+REFIT_EVERY = 64  # proposals between refits of the served-step correction
 
 __all__ = ["DSparkCounters", "DSparkProposer"]
 
@@ -132,6 +134,10 @@ class DSparkProposer:
         self._cutting: torch.Tensor | None = None  # hysteresis state (device bool scalar)
         self._table_tried = False
         self._measuring = False
+        # Served steps correct the table's offset and scale (served_steps), refitted every
+        # REFIT_EVERY proposals; _base_ms is the table as measured, on the host.
+        self.served = ServedStepFit()
+        self._base_ms: np.ndarray | None = None
         self.dtype = vllm_config.model_config.dtype
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.slot_table = SlotTable(self.max_num_seqs)
@@ -305,6 +311,7 @@ class DSparkProposer:
 
         req_ids = list(step.req_ids)
         plan = self.plan(req_ids, step)
+        explore = self._serve_step(req_ids, step) if self._base_ms is not None else False
         num_rows, num_reqs = plan.num_rows, plan.num_requests
         positions, aux = _first_rows(num_rows, step.positions, step.aux_hidden_states)
         num_rejected = step.num_rejected
@@ -326,7 +333,7 @@ class DSparkProposer:
                 )
                 noise = self.draw_race_noise(seeds, anchor_pos)
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
-            if self.rule_on:
+            if self.rule_on and not explore:
                 drafts = self._cut(plan, drafts)
         self._count(plan, num_rejected)
         return drafts.to(torch.int32)
@@ -405,18 +412,67 @@ class DSparkProposer:
         k = self.num_speculative_tokens
         self.cost_table, self.min_gain = table, float(min_gain)
         max_rows = self.max_num_seqs * (k + 1)
-        matrix = table.matrix(self.max_num_seqs, max_rows)
-        self._step_ms = torch.from_numpy(matrix).to(self.device)
+        self._base_ms = table.matrix(self.max_num_seqs, max_rows)
+        self._step_ms = torch.from_numpy(self._base_ms.copy()).to(self.device)
         self._cutting = torch.zeros((), dtype=torch.bool, device=self.device)
-        budget_binds = self.row_budget is not None and max_rows > self.row_budget
-        gain = table.max_gain(self.max_num_seqs)
-        self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
+        self.served = ServedStepFit(clock=self.served.clock)
+        gain = self._decide_rule(table)
         logger.info(
             "DSpark adaptive verification (%s): step time in ms by requests and drafts per "
             "request (measured in %.1f s)\n%s\nmost a cut could gain: %.1f%% (min %.0f%%), "
             "row budget %s: the cut %s",
             self.adaptive_mode, table.measure_seconds, table.describe(), 100 * gain,
             100 * self.min_gain, self.row_budget,
+            "runs every step" if self.rule_on else "is off (no gain to make)",
+        )
+
+    def _decide_rule(self, table: cost_table.StepCostTable) -> float:
+        """Set ``rule_on`` from ``table`` (measured or corrected); returns the most a cut
+        could gain by it."""
+        max_rows = self.max_num_seqs * (self.num_speculative_tokens + 1)
+        budget_binds = self.row_budget is not None and max_rows > self.row_budget
+        gain = table.max_gain(self.max_num_seqs)
+        self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
+        return gain
+
+    def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> bool:
+        """Host bookkeeping of served step times (``served_steps``): observe this step,
+        refit the table's correction every ``REFIT_EVERY`` proposals. Returns whether this
+        step verifies every draft (exploration)."""
+        num_reqs = len(req_ids)
+        rows = int(step.query_start_loc_cpu[num_reqs])
+        decode_only = num_reqs > 0 and rows <= self._base_ms.shape[1] - 1 and np.array_equal(
+            np.diff(step.query_start_loc_cpu[: num_reqs + 1]),
+            np.asarray(step.num_draft_tokens[:num_reqs]) + 1,
+        )
+        table_ms = float(self._base_ms[num_reqs, rows]) if decode_only else 0.0
+        self.served.step(req_ids, decode_only, table_ms)
+        if self.served.proposals % REFIT_EVERY == REFIT_EVERY - 1:
+            self._refit()
+        return self.served.explore()
+
+    def _refit(self) -> None:
+        """Rank 0's fit of served steps (broadcast: every rank must cut alike) becomes the
+        rule's table: ``a + b * measured``."""
+        rank, _ = self._tp_rank_group()
+        before = self.served.fitted
+        fitted = self.served.fit() if rank == 0 else None
+        if self.tp_size > 1:
+            from vllm.distributed import get_tp_group
+
+            fitted = get_tp_group().broadcast_object(fitted, src=0)
+            self.served.fitted = fitted or self.served.fitted
+        if fitted is None:
+            return
+        a, b = fitted
+        corrected = np.maximum(a + b * self._base_ms, 1e-3).astype(np.float32)
+        self._step_ms.copy_(torch.from_numpy(corrected))
+        was_on = self.rule_on
+        gain = self._decide_rule(self.cost_table.affine(a, b))
+        log = logger.info if before is None or was_on != self.rule_on else logger.debug
+        log(
+            "DSpark adaptive verification: served steps take %.2f ms + %.2f x the table's "
+            "time; most a cut could gain: %.1f%%, the cut %s", a, b, 100 * gain,
             "runs every step" if self.rule_on else "is off (no gain to make)",
         )
 

@@ -1,0 +1,113 @@
+"""The steps the engine serves correct its start-up cost table (host only).
+
+The start-up table (``cost_table``) times the target forward, the logits and the draft
+block on dummy inputs. A served step also pays the scheduler, the sampler, output
+processing and the host plan, and its rows are real continuations (an MoE routes them to
+fewer distinct experts than random ids; its contexts are the requests' own). The cut rule
+compares tokens per ms, so a constant the table misses moves the cut as much as a wrong
+row price: on the memory-bound CPU twin the table priced a verify row at about twice what
+served steps paid, and the rule cut deeper than the best fixed width. So the engine fits,
+on the steps it serves,
+
+    served_ms = a + b * table_ms(requests, rows)
+
+by exponentially weighted least squares, and the rule reads ``a + b * table``: the table
+keeps its shape (tiles, cliffs), the served steps set its offset and scale. An observation
+is the time from one proposal to the next when both steps are decode steps of the same
+requests (none in prefill): that interval holds exactly one step of that shape (scheduling,
+the target forward over its verify rows, sampling, the draft block). Until the served times
+spread over enough table times to tell ``a`` from ``b``, the table is used as measured; the
+proposer verifies every draft on a few steps (``explore``) so that the wide end is seen
+even when the rule cuts deep.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["ServedStepFit"]
+
+
+class ServedStepFit:
+    """Weighted least squares of served step time on table step time, one step at a time.
+
+    ``half_life``: observations after which one's weight halves (the fit follows a change
+    of load or of the requests' lengths). ``min_steps``: observations before a fit.
+    ``min_spread``: the relative spread (weighted std / mean) of the table times needed to
+    separate ``a`` from ``b``. ``clock``: seconds (a stand-in in tests).
+    """
+
+    # Once fitted, a step slower than this many times the prediction is a stall (a pause of
+    # the host, not a step of this shape): not observed. Before, the table may be off by
+    # any factor, so every step counts.
+    OUTLIER = 4.0
+    # The fitted scale never falls below this: a step with more rows never costs less.
+    MIN_SCALE = 0.02
+    # Explore (verify every draft) on one step in EXPLORE_FITTED once fitted, EXPLORE_EARLY
+    # before.
+    EXPLORE_EARLY = 4
+    EXPLORE_FITTED = 32
+
+    def __init__(
+        self,
+        half_life: float = 256.0,
+        min_steps: int = 32,
+        min_spread: float = 0.05,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.min_steps, self.min_spread, self.clock = min_steps, min_spread, clock
+        self.steps = 0  # observations so far
+        self.sums = [0.0] * 5  # weight, x, y, xx, xy (x: table ms, y: served ms)
+        self.last: tuple[float, tuple[str, ...] | None] | None = None
+        self.fitted: tuple[float, float] | None = None
+        self.proposals = 0
+
+    def explore(self) -> bool:
+        """Whether this proposal should verify every draft (called once per proposal, the
+        same sequence on every TP rank)."""
+        self.proposals += 1
+        every = self.EXPLORE_FITTED if self.fitted is not None else self.EXPLORE_EARLY
+        return self.proposals % every == 0
+
+    def step(self, req_ids: Sequence[str], decode_only: bool, table_ms: float) -> None:
+        """At each proposal: ``req_ids`` of this step, whether none of them was in prefill,
+        and the table's time for its shape. Observes the interval since the last proposal
+        when both steps were decode steps of the same requests."""
+        now = self.clock()
+        key = tuple(req_ids) if decode_only else None
+        if self.last is not None and key is not None and self.last[1] == key:
+            self.observe(table_ms, (now - self.last[0]) * 1e3)
+        self.last = (now, key)
+
+    def observe(self, table_ms: float, served_ms: float) -> None:
+        if served_ms <= 0.0:
+            return
+        if self.fitted is not None and served_ms > self.OUTLIER * self.predict(table_ms):
+            return
+        d = self.decay
+        s = self.sums
+        for i, v in enumerate((1.0, table_ms, served_ms, table_ms * table_ms,
+                               table_ms * served_ms)):
+            s[i] = s[i] * d + v
+        self.steps += 1
+
+    def predict(self, table_ms: float) -> float:
+        a, b = self.fitted or (0.0, 1.0)
+        return a + b * table_ms
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, b)`` once the observations allow it, else None; kept as ``fitted``."""
+        w, x, y, xx, xy = self.sums
+        if self.steps < self.min_steps or w <= 0.0:
+            return None
+        mean_x, mean_y = x / w, y / w
+        var_x = xx / w - mean_x * mean_x
+        if var_x <= (self.min_spread * mean_x) ** 2:
+            return None
+        b = max((xy / w - mean_x * mean_y) / var_x, self.MIN_SCALE)
+        # Keep every fitted time positive down to half the mean table time.
+        a = max(mean_y - b * mean_x, -0.5 * b * mean_x)
+        self.fitted = (a, b)
+        return self.fitted

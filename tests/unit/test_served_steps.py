@@ -1,0 +1,104 @@
+"""The served-step correction of the cost table: a least-squares fit checked against the
+line that generated the observations, and the rules for what counts as an observation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _serve(fit, clock, shapes, served_ms, ids=("a", "b")):
+    """One proposal per (table_ms) in ``shapes``; the step before it took ``served_ms(x)``."""
+    for x in shapes:
+        clock.now += served_ms(x) / 1e3
+        fit.step(list(ids), True, x)
+
+
+@pytest.mark.parametrize("a,b", [(30.0, 0.5), (0.0, 1.0), (5.0, 2.0)])
+def test_fit_recovers_the_line_the_steps_follow(a, b):
+    rng = random.Random(0)
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    xs = [rng.uniform(10.0, 40.0) for _ in range(200)]
+    _serve(fit, clock, xs, lambda x: a + b * x * rng.uniform(0.99, 1.01))
+    got_a, got_b = fit.fit()
+    assert got_b == pytest.approx(b, rel=0.05)
+    assert got_a == pytest.approx(a, abs=0.05 * (a + b * 25.0))
+    assert fit.predict(20.0) == pytest.approx(a + b * 20.0, rel=0.03)
+
+
+def test_no_fit_without_enough_steps_or_spread():
+    clock = Clock()
+    fit = ServedStepFit(clock=clock, min_steps=32)
+    _serve(fit, clock, [20.0] * 100, lambda x: 35.0)  # one width only: a and b inseparable
+    assert fit.fit() is None and fit.fitted is None
+    fit = ServedStepFit(clock=clock, min_steps=32)
+    _serve(fit, clock, [10.0, 30.0] * 10, lambda x: 2 * x)  # 19 observations
+    assert fit.steps == 19 and fit.fit() is None
+
+
+def test_only_consecutive_decode_steps_of_the_same_requests_are_observed():
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    fit.step(["a", "b"], True, 10.0)
+    clock.now += 0.05
+    fit.step(["a", "b", "c"], True, 12.0)  # a request joined: not a step of one shape
+    clock.now += 0.05
+    fit.step(["a", "b", "c"], False, 0.0)  # someone in prefill
+    clock.now += 0.05
+    fit.step(["a", "b", "c"], True, 12.0)  # after a prefill step
+    assert fit.steps == 0
+    clock.now += 0.02
+    fit.step(["a", "b", "c"], True, 12.0)
+    assert fit.steps == 1
+    assert fit.sums[1] == pytest.approx(12.0) and fit.sums[2] == pytest.approx(20.0)
+
+
+def test_a_stall_is_not_a_step_once_fitted():
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    _serve(fit, clock, [10.0, 30.0] * 20, lambda x: 100.0 + x)  # the table misses 100 ms
+    assert fit.steps == 39 and fit.fit() == pytest.approx((100.0, 1.0))
+    clock.now += 5.0  # 5000 ms where the fit says 110
+    fit.step(["a", "b"], True, 10.0)
+    assert fit.steps == 39
+
+
+def test_rows_never_get_cheaper_and_times_stay_positive():
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    # Served time falls as the table's rises (noise around a flat cost).
+    _serve(fit, clock, [10.0, 20.0, 30.0] * 20, lambda x: 60.0 - 0.1 * x)
+    a, b = fit.fit()
+    assert b == ServedStepFit.MIN_SCALE and a > 0
+
+
+def test_old_steps_fade():
+    """After a change (a heavier load) the fit follows the new steps."""
+    rng = random.Random(1)
+    clock = Clock()
+    fit = ServedStepFit(clock=clock, half_life=64)
+    _serve(fit, clock, [rng.uniform(10, 40) for _ in range(300)], lambda x: x)
+    _serve(fit, clock, [rng.uniform(10, 40) for _ in range(600)], lambda x: 50.0 + x)
+    a, b = fit.fit()
+    assert a == pytest.approx(50.0, abs=3.0) and b == pytest.approx(1.0, abs=0.1)
+
+
+def test_exploration_is_frequent_until_fitted_then_rare():
+    fit = ServedStepFit(clock=Clock())
+    early = [fit.explore() for _ in range(64)]
+    assert sum(early) == 64 // ServedStepFit.EXPLORE_EARLY and not early[0]
+    fit.fitted = (1.0, 1.0)
+    late = [fit.explore() for _ in range(256)]
+    assert sum(late) == 256 // ServedStepFit.EXPLORE_FITTED
