@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 
 

@@ -51,7 +51,6 @@ from vllm.models.deepseek_v4.common.dspark.model import (
 from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
 from vllm.v1.spec_decode.dspark import cost_table
 from vllm.v1.spec_decode.dspark.adaptive import apply_cut, draft_budget_mask, draft_budgets
-from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.graphs import (
@@ -61,6 +60,7 @@ from vllm.v1.spec_decode.dspark.graphs import (
 )
 from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark.rings import SlotTable, allocate_rings, clear_slots
+from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 from vllm.v1.spec_decode.dspark.step_plan import (
     DSparkStepInput,
     StepPlan,
