@@ -100,15 +100,24 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
 
     first_step()
     rule_on = drafter.rule_on
+    # auto's own state: the rule's switch and the served-step correction (served_steps),
+    # which only auto's passes feed, as only auto runs in a deployment.
+    auto_state = {"rule_on": rule_on, "base_ms": drafter._base_ms}
+    current = {"mode": "auto"}
 
     def set_mode(mode: str) -> None:
+        if current["mode"] == "auto":
+            auto_state["rule_on"] = drafter.rule_on
+        current["mode"] = mode
         if mode == "auto":
-            drafter._cut, drafter.rule_on = adaptive_cut, rule_on
+            drafter._cut, drafter.rule_on = adaptive_cut, auto_state["rule_on"]
+            drafter._base_ms = auto_state["base_ms"]
             return
         width = int(mode[1:])
         keep = torch.arange(k, device=drafter.device) < width
         drafter._cut = lambda plan, drafts: apply_cut(drafts, keep[None, :].expand_as(drafts))
         drafter.rule_on = width < k  # full width: adaptive off, nothing to cut
+        drafter._base_ms = None  # no served-step fit, no exploration: the width as set
 
     def one_pass(mode: str, tag: str) -> dict[str, Any]:
         set_mode(mode)
@@ -138,9 +147,12 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         order = modes[shift:] + modes[:shift]
         passes.append({mode: one_pass(mode, f"r{rnd}-{mode}") for mode in order})
     table = drafter.cost_table
+    set_mode("auto")
     return {
         "k": k,
         "rule_on": rule_on,
+        "rule_on_at_end": drafter.rule_on,
+        "served_fit": drafter.served.fitted,
         "table": json.loads(table.to_json()),
         "max_gain": table.max_gain(concurrency),
         "first_step_seconds": started["seconds"],
@@ -198,11 +210,17 @@ def summarize(child: dict[str, Any]) -> dict[str, Any]:
         "per_round_auto_over_best_fixed": ratio_best,
         "per_round_auto_over_full_width": ratio_full,
         "rule_on": child["rule_on"],
+        "rule_on_at_end": child["rule_on_at_end"],
+        "served_fit": child["served_fit"],
         "max_gain": child["max_gain"],
         "table": child["table"],
         "first_step_seconds": child["first_step_seconds"],
         "rounds": len(rounds),
     }
+
+
+def fit_text(fit) -> str:
+    return "not fitted" if fit is None else f"{fit[0]:.1f} ms + {fit[1]:.2f} x table"
 
 
 def summary_line(results: dict[int, dict[str, Any]]) -> str:
@@ -283,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"c={c}: tok/s {tok}; best fixed {s['best_fixed']}; auto/best "
               f"{s['auto_over_best_fixed']:.3f}x, auto/full {s['auto_over_full_width']:.3f}x; "
               f"rule {'on' if s['rule_on'] else 'off'} (most a cut could gain "
-              f"{100 * s['max_gain']:.0f}%); table measured in "
+              f"{100 * s['max_gain']:.0f}%), {'on' if s['rule_on_at_end'] else 'off'} at the "
+              f"end; served steps {fit_text(s['served_fit'])}; table measured in "
               f"{s['table']['measure_seconds']:.1f} s", flush=True)
     result = {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
