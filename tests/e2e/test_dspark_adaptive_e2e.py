@@ -165,5 +165,11 @@ def test_tp2_auto_under_a_row_budget_is_lossless(tmp_path):
     assert 0 < first["verified_tokens"] < first["drafted_tokens"]  # the budget cut drafts
     # Rank 0 alone writes the table, and only a steady one (its two timing passes within
     # 20%); on a busy machine the table is used but not cached, and the log says so.
+    # The served-step correction is fitted on rank 0 and broadcast: every rank cuts alike.
+    from tests.support.tp_workers import REFIT_A, REFIT_B
+
+    refit = report["refit"]
+    assert refit[0]["fitted"] == pytest.approx([REFIT_A, REFIT_B], rel=1e-3)
+    assert all(r == refit[0] for r in refit), "the ranks' tables differ after a refit"
     tables = list((tmp_path / "tables").glob("*.json"))
     assert len(tables) == 1 or (not tables and "not cached" in proc.stderr), tables

@@ -464,13 +464,13 @@ def test_served_steps_correct_the_table(env, monkeypatch):
     k = proposer.num_speculative_tokens
     cut_steps, whole_steps = [], []
     for step in range(REFIT_EVERY):
-        widths = [step % (k + 1), (step + 2) % (k + 1)]
+        # One width at first (nothing to fit: the proposer explores), then every width.
+        widths = [1, 1] if step < ServedStepFit.EXPLORE_DENSE else [step % (k + 1), (step + 2) % (k + 1)]
         clock.now += (20_000.0 + 0.5 * table.step_ms(2, 2 + sum(widths))) / 1e3
         counts = _counts(proposer.propose(_decode_inputs(proposer, widths, step)))
         (whole_steps if counts == [k, k] else cut_steps).append(step)
-        if step < 8:
-            # Before a fit one proposal in EXPLORE_EARLY verifies every draft.
-            assert (counts == [k, k]) >= ((step + 1) % ServedStepFit.EXPLORE_EARLY == 0)
+        if step == ServedStepFit.EXPLORE_DENSE - 1:
+            assert counts == [k, k]  # explores: one width so far, no spread
     assert cut_steps  # the measured table alone makes the rule cut
     a, b = proposer.served.fitted
     assert a == pytest.approx(20_000.0, rel=1e-3) and b == pytest.approx(0.5, rel=1e-2)

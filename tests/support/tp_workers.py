@@ -63,3 +63,28 @@ def rank_report(worker) -> dict:
         "packed": worker._tp_packed_log,
         "rings": rings.hexdigest(),
     }
+
+
+# Served steps that take REFIT_A ms + REFIT_B x the table's time, fed to rank 0 alone.
+REFIT_A, REFIT_B = 250.0, 0.5
+
+
+def refit_from_rank_zero(worker) -> dict | None:
+    """Rank 0 alone observes synthetic served steps, then every rank refits together (the
+    proposer's own ``_refit``, as at every 64th step): the fit must reach every rank."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    drafter = worker.model_runner.drafter
+    if drafter._base_ms is None:
+        return None
+    if get_tensor_model_parallel_rank() == 0:
+        drafter.served = type(drafter.served)(clock=drafter.served.clock)  # synthetic steps only
+        table = drafter._base_ms[1:, 1:]
+        finite = table[table < float("inf")]  # over a row budget: inf
+        low, high = float(finite.min()), float(finite.max())
+        for i in range(64):
+            x = low + (high - low) * (i % 8) / 7
+            drafter.served.observe(x, REFIT_A + REFIT_B * x)
+    drafter._refit()
+    return {"fitted": drafter.served.fitted, "step_ms": drafter._step_ms.tolist(),
+            "rule_on": drafter.rule_on}

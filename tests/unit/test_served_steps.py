@@ -94,10 +94,12 @@ def test_old_steps_fade():
     assert a == pytest.approx(50.0, abs=3.0) and b == pytest.approx(1.0, abs=0.1)
 
 
-def test_exploration_is_frequent_until_fitted_then_rare():
-    fit = ServedStepFit(clock=Clock())
+def test_exploration_is_dense_until_the_times_spread_then_sparse():
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    _serve(fit, clock, [20.0] * 10, lambda x: 30.0)  # one width: no spread
     early = [fit.explore() for _ in range(64)]
-    assert sum(early) == 64 // ServedStepFit.EXPLORE_EARLY and not early[0]
-    fit.fitted = (1.0, 1.0)
+    assert sum(early) == 64 // ServedStepFit.EXPLORE_DENSE and not early[0]
+    _serve(fit, clock, [10.0, 30.0] * 5, lambda x: 30.0)
     late = [fit.explore() for _ in range(256)]
-    assert sum(late) == 256 // ServedStepFit.EXPLORE_FITTED
+    assert sum(late) == 256 // ServedStepFit.EXPLORE_SPARSE

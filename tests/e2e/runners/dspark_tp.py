@@ -11,6 +11,7 @@ cycles through 0..k, so every acceptance count occurs); the other half are the c
 own drafts. Afterwards it scores every output by teacher forcing.
 
 Per rank, from the engine's worker processes (``collective_rpc``): the proposer's counters,
+the adaptive rule's table after a refit from served steps only rank 0 observed,
 every packed ingest (the chunk's geometry and the rank it ran on, recorded by wrapping the
 proposer's ``ingest_packed_prefill``), and a fingerprint of the draft rings, which packed
 prefill must leave identical on every rank.
@@ -29,7 +30,7 @@ from pathlib import Path
 from scripts.verify import engine as verify_engine
 from scripts.verify.engine import make_engine
 from scripts.verify.plain_target import PlainTarget
-from tests.support.tp_workers import install_scripted_drafts, rank_report
+from tests.support.tp_workers import install_scripted_drafts, rank_report, refit_from_rank_zero
 
 PROFILE = "cpu-4x"
 # Prompt lengths: several chunks each at a 75-row budget, beside decodes of the others.
@@ -74,6 +75,7 @@ def run(model: str, tp: int, budget: int) -> dict:
             steps += 1
         seconds = time.monotonic() - t0
         per_rank = engine.collective_rpc(rank_report)
+        refit = engine.collective_rpc(refit_from_rank_zero)
         engine.engine_core.shutdown()
         del engine
         done = sorted(outputs)
@@ -88,6 +90,7 @@ def run(model: str, tp: int, budget: int) -> dict:
         "seconds": seconds,
         "outputs": outputs,
         "per_rank": per_rank,
+        "refit": refit,
         "oracle": {"ids": done, **asdict(oracle), "ok": oracle.ok},
     }
 

@@ -17,8 +17,8 @@ is the time from one proposal to the next when both steps are decode steps of th
 requests (none in prefill): that interval holds exactly one step of that shape (scheduling,
 the target forward over its verify rows, sampling, the draft block). Until the served times
 spread over enough table times to tell ``a`` from ``b``, the table is used as measured; the
-proposer verifies every draft on a few steps (``explore``) so that the wide end is seen
-even when the rule cuts deep.
+proposer verifies every draft on a few steps (``explore``: one in 8 while the times do not
+spread, one in 64 once they do) so that the wide end is seen even when the rule cuts deep.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ class ServedStepFit:
     OUTLIER = 4.0
     # The fitted scale never falls below this: a step with more rows never costs less.
     MIN_SCALE = 0.02
-    # Explore (verify every draft) on one step in EXPLORE_FITTED once fitted, EXPLORE_EARLY
-    # before.
-    EXPLORE_EARLY = 4
-    EXPLORE_FITTED = 32
+    # Explore (verify every draft) on one step in EXPLORE_DENSE while the observed table
+    # times do not spread enough to fit, one in EXPLORE_SPARSE once they do (measured on the
+    # CPU twin: exploring one step in 4 cost auto 4-5% of its tokens/s where full width is
+    # the slowest mode; the rule's own step-to-step widths usually give the spread).
+    EXPLORE_DENSE = 8
+    EXPLORE_SPARSE = 64
 
     def __init__(
         self,
@@ -68,8 +70,16 @@ class ServedStepFit:
         """Whether this proposal should verify every draft (called once per proposal, the
         same sequence on every TP rank)."""
         self.proposals += 1
-        every = self.EXPLORE_FITTED if self.fitted is not None else self.EXPLORE_EARLY
+        every = self.EXPLORE_SPARSE if self.spread_enough() else self.EXPLORE_DENSE
         return self.proposals % every == 0
+
+    def spread_enough(self) -> bool:
+        """Whether the observed table times spread enough to separate ``a`` from ``b``."""
+        w, x, _, xx, _ = self.sums
+        if w <= 0.0:
+            return False
+        mean_x = x / w
+        return xx / w - mean_x * mean_x > (self.min_spread * mean_x) ** 2
 
     def step(self, req_ids: Sequence[str], decode_only: bool, table_ms: float) -> None:
         """At each proposal: ``req_ids`` of this step, whether none of them was in prefill,
@@ -99,13 +109,11 @@ class ServedStepFit:
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` once the observations allow it, else None; kept as ``fitted``."""
-        w, x, y, xx, xy = self.sums
-        if self.steps < self.min_steps or w <= 0.0:
+        if self.steps < self.min_steps or not self.spread_enough():
             return None
+        w, x, y, xx, xy = self.sums
         mean_x, mean_y = x / w, y / w
         var_x = xx / w - mean_x * mean_x
-        if var_x <= (self.min_spread * mean_x) ** 2:
-            return None
         b = max((xy / w - mean_x * mean_y) / var_x, self.MIN_SCALE)
         # Keep every fitted time positive down to half the mean table time.
         a = max(mean_y - b * mean_x, -0.5 * b * mean_x)
