@@ -457,7 +457,9 @@ def test_served_steps_correct_the_table(env, monkeypatch):
     from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 
     table = linear_table(100.0)
-    proposer = _adaptive_proposer(env, monkeypatch, table, mode="auto", min_gain=0.04)
+    proposer = _adaptive_proposer(env, monkeypatch, None, mode="auto")
+    with torch.inference_mode():  # as in a TP worker: the table is an inference tensor
+        proposer.use_cost_table(table, min_gain=0.04)
     assert proposer.rule_on
     clock = _Clock()
     proposer.served = ServedStepFit(clock=clock)

@@ -466,7 +466,8 @@ class DSparkProposer:
             return
         a, b = fitted
         corrected = np.maximum(a + b * self._base_ms, 1e-3).astype(np.float32)
-        self._step_ms.copy_(torch.from_numpy(corrected))
+        # A new tensor, not an in-place copy: the table may be an inference tensor.
+        self._step_ms = torch.from_numpy(corrected).to(self.device)
         was_on = self.rule_on
         gain = self._decide_rule(self.cost_table.affine(a, b))
         log = logger.info if before is None or was_on != self.rule_on else logger.debug
