@@ -172,4 +172,5 @@ def test_tp2_auto_under_a_row_budget_is_lossless(tmp_path):
     assert refit[0]["fitted"] == pytest.approx([REFIT_A, REFIT_B], rel=1e-3)
     assert all(r == refit[0] for r in refit), "the ranks' tables differ after a refit"
     tables = list((tmp_path / "tables").glob("*.json"))
-    assert len(tables) == 1 or (not tables and "not cached" in proc.stderr), tables
+    log = proc.stdout + proc.stderr  # vLLM's logger writes to stdout
+    assert len(tables) == 1 or (not tables and "not cached" in log), tables

@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
+
+from tests.support.overlay import load_overlay_module
+
+ServedStepFit = load_overlay_module("vllm/v1/spec_decode/dspark/served_steps.py").ServedStepFit
 
 
 class Clock:

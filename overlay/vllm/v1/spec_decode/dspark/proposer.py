@@ -32,7 +32,6 @@ feed it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -53,6 +52,7 @@ from vllm.v1.spec_decode.dspark import cost_table
 from vllm.v1.spec_decode.dspark.adaptive import apply_cut, draft_budget_mask, draft_budgets
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
+from vllm.v1.spec_decode.dspark.engine_timing import table_settings, time_verify_step
 from vllm.v1.spec_decode.dspark.graphs import (
     DraftBlockGraphs,
     draft_graphs_wanted,
@@ -488,7 +488,7 @@ class DSparkProposer:
             return
         self._table_tried = True
         rank, _ = self._tp_rank_group()
-        path = cost_table.cache_path(cost_table.table_key(self._table_settings()))
+        path = cost_table.cache_path(cost_table.table_key(table_settings(self)))
         table = cost_table.read_cached(path) if rank == 0 else None
         need = table is None
         if self.tp_size > 1:
@@ -501,7 +501,7 @@ class DSparkProposer:
             self._measuring = True
             try:
                 table = cost_table.measure(
-                    lambda r, w: self._time_point(runner, r, w),
+                    lambda r, w: time_verify_step(self, runner, r, w),
                     self.draft_sizes,
                     self.num_speculative_tokens,
                     row_budget=self.row_budget,
@@ -525,51 +525,7 @@ class DSparkProposer:
         logger.info("DSpark cost table %s: %s", "measured" if need else "read", path)
         self.use_cost_table(table)
 
-    def _table_settings(self) -> dict:
-        """What the measured table depends on (its cache key)."""
-        import vllm
-
-        vc = self.vllm_config
-        mc = vc.model_config
-        return {
-            "model": mc.model, "revision": mc.revision, "dtype": str(mc.dtype),
-            "kv_cache_dtype": vc.cache_config.cache_dtype, "tp": self.tp_size,
-            "device": cost_table.device_name(self.device.type),
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
-            "max_model_len": self.max_model_len, "k": self.num_speculative_tokens,
-            "row_budget": self.row_budget, "sampling": self.probabilistic,
-            "attention": str(getattr(getattr(vc, "attention_config", None), "backend", None)),
-            "vllm": vllm.__version__,
-        }
-
-    def _time_point(self, runner, requests: int, width: int) -> float:
-        """ms of one verify step's work with ``requests`` requests of ``width`` drafts: the
-        target forward (random ids, a context per request), every row's logits, and the
-        draft block at this request count."""
-        from vllm.config import CUDAGraphMode
-
-        rows = requests * (width + 1)
-        context = min(self.max_model_len, cost_table.CONTEXT_TOKENS)
-        uniform = runner.uniform_decode_query_len
-        runner.uniform_decode_query_len = width + 1  # R requests of width + 1 rows each
-        try:
-            start = time.perf_counter()
-            hidden, _ = runner._dummy_run(
-                rows, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                uniform_decode=True, skip_eplb=True, randomize_inputs=True,
-                profile_seq_lens=context,
-            )
-            with torch.inference_mode():
-                runner.model.compute_logits(hidden[:rows])
-                self._dummy_block(next(s for s in self.draft_sizes if s >= requests))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return (time.perf_counter() - start) * 1e3
-        finally:
-            runner.uniform_decode_query_len = uniform
-
-    def _dummy_block(self, rows: int) -> None:
+    def dummy_block(self, rows: int) -> None:
         """One draft block of ``rows`` rows reading only the scratch ring row."""
         from vllm.forward_context import set_forward_context
 
