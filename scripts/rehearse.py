@@ -436,7 +436,7 @@ class Rehearsal:
         r = subprocess.run([PYTHON, "-m", "scripts.rehearsal.score", "--profile", self.profile_ref,
                             "--load", str(self.rundir / "load.json"), "--out", str(out)],
                            env=env, capture_output=True, text=True, cwd=REPO, timeout=900)  # fmt: skip
-        if not self.check("plain target (TP=1) scored the greedy outputs", r.returncode == 0,
+        if not self.check("plain target (the profile's TP) scored the greedy outputs", r.returncode == 0,
                           "" if r.returncode == 0 else r.stderr[-800:]):
             return
         verdict = json.loads(out.read_text())

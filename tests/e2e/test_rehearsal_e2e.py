@@ -3,7 +3,7 @@
 One run of ``python -m scripts.rehearse --faults`` (7 minutes on the 2-core development
 machine at a load average of 5-10, 11-15 at 15-25; mostly the pair's two start-ups): the pair forms across the veth link, smoke/health/audit pass, a mixed load
 packs prefill across both ranks and its greedy outputs are teacher-forced lossless against
-the plain target at TP=1, seeded sampled requests repeat; then the faults (bad fabric
+the plain target at TP=2, seeded sampled requests repeat; then the faults (bad fabric
 settings, the worker killed mid-stream, both restarted worker first, the head killed), each
 within its bound. The assertions read the rehearsal's JSON report.
 
