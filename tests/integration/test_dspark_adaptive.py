@@ -483,6 +483,26 @@ def test_served_steps_correct_the_table(env, monkeypatch):
     assert counts == [k, k]
 
 
+def test_narrow_exploration_spreads_a_rule_that_keeps_full_width(env, monkeypatch):
+    """Rows cost nothing in the table, so the rule verifies every draft, and served steps
+    of that one shape would never spread the table's times: every second exploring step
+    admits only as many drafts as requests, and the steps between keep full width."""
+    from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
+
+    proposer = _adaptive_proposer(env, monkeypatch, linear_table(0.0), mode="on")
+    clock = _Clock()
+    proposer.served = ServedStepFit(clock=clock)
+    k = proposer.num_speculative_tokens
+    dense = ServedStepFit.EXPLORE_DENSE
+    totals = []
+    for step in range(2 * dense):
+        clock.now += 0.05
+        totals.append(sum(_counts(proposer.propose(_decode_inputs(proposer, [k, k], step)))))
+    assert totals[2 * dense - 1] <= 2  # the second exploring step: narrow
+    assert all(t == 2 * k for i, t in enumerate(totals) if i != 2 * dense - 1), totals
+    assert not proposer.served.spread_enough()  # one shape served so far (k, k)
+
+
 def test_budgets_reach_the_scheduler_with_the_step_output():
     """The async output wrapper: the inner output untouched, budgets keyed by request,
     requests without a budget left out (the scheduler keeps their k)."""

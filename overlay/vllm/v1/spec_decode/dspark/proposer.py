@@ -311,7 +311,7 @@ class DSparkProposer:
 
         req_ids = list(step.req_ids)
         plan = self.plan(req_ids, step)
-        explore = self._serve_step(req_ids, step) if self._base_ms is not None else False
+        explore = self._serve_step(req_ids, step) if self._base_ms is not None else None
         num_rows, num_reqs = plan.num_rows, plan.num_requests
         positions, aux = _first_rows(num_rows, step.positions, step.aux_hidden_states)
         num_rejected = step.num_rejected
@@ -333,8 +333,8 @@ class DSparkProposer:
                 )
                 noise = self.draw_race_noise(seeds, anchor_pos)
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
-            if self.rule_on and not explore:
-                drafts = self._cut(plan, drafts)
+            if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
+                drafts = self._cut(plan, drafts, narrow=explore is not None)
         self._count(plan, num_rejected)
         return drafts.to(torch.int32)
 
@@ -364,8 +364,10 @@ class DSparkProposer:
         seeded = np.fromiter((s is not None for s in request_seeds), bool, len(request_seeds))
         return (np.asarray(temperature_cpu) > 0) & seeded
 
-    def _cut(self, plan: StepPlan, drafts: torch.Tensor) -> torch.Tensor:
-        """Drafts past each request's verification budget replaced by ``CUT`` (device).
+    def _cut(self, plan: StepPlan, drafts: torch.Tensor, narrow=False) -> torch.Tensor:
+        """Drafts past each request's verification budget replaced by ``CUT`` (device);
+        ``narrow`` (an exploring step) admits as many drafts as there are requests (seeded
+        sampled requests keep their k), leaving the rule's hysteresis as it was.
 
         The next step has one row per request of this one plus the admitted drafts; the
         table's times for this request count are sliced on the device by host ints. Under
@@ -377,6 +379,8 @@ class DSparkProposer:
         max_drafts = num_ranked * k
         if self.row_budget is not None:
             max_drafts = max(0, min(max_drafts, self.row_budget - num_reqs))
+        if narrow:
+            max_drafts = min(max_drafts, num_ranked + plan.num_never_cut * (k - 1))
         with torch.inference_mode():
             whole = plan.never_cut[:num_reqs].bool() if plan.num_never_cut else None
             drafting = plan.drafting[:num_reqs].bool()
@@ -390,7 +394,7 @@ class DSparkProposer:
                 step_ms=self._step_ms[num_reqs, num_reqs : num_reqs + max_drafts + 1],
                 min_gain=self.min_gain,
                 whole=whole,
-                cutting=self._cutting,
+                cutting=None if narrow else self._cutting,
             )
             if not self.async_scheduling:
                 return apply_cut(drafts, keep)
@@ -435,10 +439,10 @@ class DSparkProposer:
         self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
         return gain
 
-    def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> bool:
+    def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> str | None:
         """Host bookkeeping of served step times (``served_steps``): observe this step,
-        refit the table's correction every ``REFIT_EVERY`` proposals. Returns whether this
-        step verifies every draft (exploration)."""
+        refit the table's correction every ``REFIT_EVERY`` proposals. Returns how this step
+        explores (``ServedStepFit.explore``), None when it does not."""
         num_reqs = len(req_ids)
         rows = int(step.query_start_loc_cpu[num_reqs])
         decode_only = num_reqs > 0 and rows <= self._base_ms.shape[1] - 1 and np.array_equal(

@@ -16,9 +16,11 @@ keeps its shape (tiles, cliffs), the served steps set its offset and scale. An o
 is the time from one proposal to the next when both steps are decode steps of the same
 requests (none in prefill): that interval holds exactly one step of that shape (scheduling,
 the target forward over its verify rows, sampling, the draft block). Until the served times
-spread over enough table times to tell ``a`` from ``b``, the table is used as measured; the
-proposer verifies every draft on a few steps (``explore``: one in 8 while the times do not
-spread, one in 64 once they do) so that the wide end is seen even when the rule cuts deep.
+spread over enough table times to tell ``a`` from ``b``, the table is used as measured. A
+few steps explore (one in 8 while the times do not spread, one in 64 once they do),
+alternately wide (every draft verified: the wide end is seen even when the rule cuts deep)
+and narrow (about one draft per request: the narrow end is seen even when the rule keeps
+full width, which alone would never spread the times).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ServedStepFit:
     # the slowest mode; the rule's own step-to-step widths usually give the spread).
     EXPLORE_DENSE = 8
     EXPLORE_SPARSE = 64
+    WIDE, NARROW = "wide", "narrow"
 
     def __init__(
         self,
@@ -65,13 +68,18 @@ class ServedStepFit:
         self.last: tuple[float, tuple[str, ...] | None] | None = None
         self.fitted: tuple[float, float] | None = None
         self.proposals = 0
+        self.explored = 0  # exploring proposals so far
 
-    def explore(self) -> bool:
-        """Whether this proposal should verify every draft (called once per proposal, the
-        same sequence on every TP rank)."""
+    def explore(self) -> str | None:
+        """How this proposal verifies when it explores: ``WIDE`` (every draft) or ``NARROW``
+        (about one draft per request), alternately; None when it does not. Called once per
+        proposal, the same sequence on every TP rank."""
         self.proposals += 1
         every = self.EXPLORE_SPARSE if self.spread_enough() else self.EXPLORE_DENSE
-        return self.proposals % every == 0
+        if self.proposals % every:
+            return None
+        self.explored += 1
+        return self.WIDE if self.explored % 2 else self.NARROW
 
     def spread_enough(self) -> bool:
         """Whether the observed table times spread enough to separate ``a`` from ``b``."""
