@@ -115,7 +115,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
             return
         width = int(mode[1:])
         keep = torch.arange(k, device=drafter.device) < width
-        drafter._cut = lambda plan, drafts: apply_cut(drafts, keep[None, :].expand_as(drafts))
+        drafter._cut = lambda plan, drafts, narrow=False: apply_cut(drafts, keep[None, :].expand_as(drafts))
         drafter.rule_on = width < k  # full width: adaptive off, nothing to cut
         drafter._base_ms = None  # no served-step fit, no exploration: the width as set
 
