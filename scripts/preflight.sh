@@ -574,15 +574,21 @@ check_stale() {
 # ---------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------
-run_check_env() {
-    local env_file="$REPO/docker/.env"
+# Loads the .env a subcommand was given (--env-file FILE, default docker/.env); its only option.
+load_env_arg() {
+    local cmd=$1 env_file="$REPO/docker/.env"
+    shift
     while (($#)); do
         case $1 in
             --env-file) env_file=$2; shift 2 ;;
-            *) echo "check-env: unknown argument $1" >&2; return 2 ;;
+            *) echo "$cmd: unknown argument $1" >&2; return 2 ;;
         esac
     done
     load_env_file "$env_file" || return 1
+}
+
+run_check_env() {
+    load_env_arg check-env "$@" || return
     PROFILE=${PROFILE:-spark-2x}
     load_profile  # the profile's node count bounds NODE_RANK
     check_vars host
@@ -604,14 +610,8 @@ run_resolve_gid() {
 
 # The probes only (ss, docker top); scripts/recipe.py audit judges what they saw.
 run_audit() {
-    local env_file="$REPO/docker/.env" ids id pids="" saved out rc
-    while (($#)); do
-        case $1 in
-            --env-file) env_file=$2; shift 2 ;;
-            *) echo "audit: unknown argument $1" >&2; return 2 ;;
-        esac
-    done
-    load_env_file "$env_file" || return 1
+    local ids id pids="" saved out rc
+    load_env_arg audit "$@" || return
     if ! command -v ss >/dev/null 2>&1; then
         fail audit "ss not found: cannot list listening sockets" "sudo apt install iproute2"
         return 1

@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report import save_png, subplots, write_json_png
+
 from .. import recipe
 
 OUT_DIR = recipe.REPO / "bench-results"
@@ -237,13 +239,8 @@ def cpu_name() -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     settings = result["concurrency"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     ax = axes[0]
     for i, (c, s) in enumerate(sorted(settings.items(), key=lambda kv: int(kv[0]))):
         modes = list(s["modes"])
@@ -267,9 +264,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7)
     fig.suptitle(f"DSpark adaptive verification, {result['profile']}, sync scheduling, "
                  f"{result['cpu']} (load {result['load_avg_1m']:.1f})", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,11 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": {str(c): s for c, s in results.items()},
         "summary": summary_line(results),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
-    print(f"({result['cpu']}, load {result['load_avg_1m']:.1f}) wrote {out} and "
-          f"{out.with_suffix('.png').name}")
+    print(f"{result['cpu']}, load {result['load_avg_1m']:.1f}")
+    write_json_png(out, result, plot)
     print(result["summary"])
     return 0
 

@@ -23,12 +23,13 @@ same kernel in this run. Writes ``bench-results/cpu_rows.json`` and ``.png``; la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from scripts.bench.report import save_png, subplots, write_json_png
 
 from .. import recipe
 from .adaptive import cpu_name
@@ -80,12 +81,7 @@ def kernels(mib: int, experts: int, topk: int):
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     for name, by_rows in result["ratio_to_one_row"].items():
         ax.plot([int(r) for r in by_rows], list(by_rows.values()), "o-", label=name)
     ax.plot(ROWS, ROWS, "k:", lw=0.8, label="each row a full pass (compute bound)")
@@ -95,9 +91,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"{result['cpu']}, {result['threads']} threads", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, by in ms.items():
         print(f"  {name:<30}" + "".join(f"{r}: {v:7.1f} ({v / by[1]:.2f}x)  "
                                         for r, v in by.items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_rows.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "cpu_rows.png")
-    print(f"wrote {args.out / 'cpu_rows.json'} and .png")
+    write_json_png(args.out / "cpu_rows.json", result, plot)
     ratio = result["ratio_to_one_row"]
     print("cpu_rows: 6 rows cost " + ", ".join(f"{ratio[n][6]:.2f}x one row ({n})" for n in ms))
     return 0

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report import save_png, subplots
+
 from .. import recipe
 
 TERMS = ("verify rows", "draft", "host")
@@ -70,12 +72,7 @@ def experts_table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def plot(tables: dict[int, list[dict[str, Any]]], experts: list[dict[str, Any]], path: Path,
          title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, axes = subplots(1, 3, figsize=(16, 4.2))
     for c, rows in tables.items():
         axes[0].plot([r["rows_per_request"] for r in rows], [r["speed_vs_plain"] for r in rows],
                      "o-", label=f"c={c} measured")
@@ -104,9 +101,7 @@ def plot(tables: dict[int, list[dict[str, Any]]], experts: list[dict[str, Any]],
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

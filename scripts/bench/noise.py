@@ -19,7 +19,6 @@ Writes ``bench-results/noise.json`` and ``.png``; the last line is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from scripts.bench.adaptive import cpu_name
+from scripts.bench.report import save_png, subplots, write_json_png
 from scripts.dev.overlay_source import load_overlay_module
 
 noise = load_overlay_module("vllm/models/deepseek_v4/common/dspark/noise.py")
@@ -81,14 +81,9 @@ def interleaved_seconds(cases: dict, repeats: int, slow: dict[str, int]) -> dict
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = ["float32 pass", "fused", "elementwise"]
     ms = [result["timings"][n]["median_s"] * 1e3 for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = subplots(figsize=(6, 3.4))
     bars = ax.bar(names, ms, color=["grey", "tab:green", "tab:red"])
     for bar, n in zip(bars, names, strict=True):
         ax.annotate(f"{result['timings'][n]['float32_passes']:.1f} passes",
@@ -98,9 +93,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("median ms per step (log)")
     s = result["shape"]
     ax.set_title(f"draft race noise [R={s['rows']}, k={s['slots']}, V={s['vocab']}] float32")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 def main(argv=None) -> None:
@@ -147,10 +140,7 @@ def main(argv=None) -> None:
                  "threads": torch.get_num_threads(), "cpu": cpu_name(),
                  "load_average": os.getloadavg()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "noise.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "noise.png")
-    print(f"wrote {args.out / 'noise.json'} and {args.out / 'noise.png'}")
+    write_json_png(args.out / "noise.json", result, plot)
     print(f"noise: {timings['fused']['float32_passes']:.1f} float32 passes (R={r}, V={v}, k={k}), "
           f"values {'identical' if identical else 'DIFFERENT'}")
     if not identical:

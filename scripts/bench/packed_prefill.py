@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import socket
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scripts.bench.report import save_png, subplots, write_json_png
 from scripts.dev.overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -235,12 +235,7 @@ def bench_ingest_tp2(args) -> dict[int, float]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax2 = plt.subplots(figsize=(6, 4))
+    fig, ax2 = subplots(figsize=(6, 4))
     ing = result["ingestion"]
     ns = [row["N"] for row in ing]
     xs = range(len(ns))
@@ -269,8 +264,7 @@ def plot(result: dict, path: Path) -> None:
         title="context-KV ingestion",
     )
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 def main() -> None:
@@ -328,11 +322,7 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "ingestion": ingestion,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    png = args.out.with_suffix(".png")
-    plot(result, png)
-    print(f"wrote {args.out} and {png}")
+    write_json_png(args.out, result, plot)
     largest = ingestion[-1]
     print(
         f"packed_prefill: TP=2 ingests N={largest['N']} at {largest['speedup_tp2']:.2f}x "

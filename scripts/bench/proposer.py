@@ -49,6 +49,7 @@ for key, value in {
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from scripts.bench.report import save_png, subplots, write_json_png  # noqa: E402
 from scripts.tiny.ensure import ensure_tiny_model  # noqa: E402
 from scripts.verify.engine import engine_kwargs, make_engine  # noqa: E402
 from scripts.verify.prompts import MIXED_LENGTHS, random_prompts  # noqa: E402
@@ -172,11 +173,6 @@ def summarize(values: list[float]) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     """Median ops per step (all, launching, outside the block), with the baseline's if any."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = [
         k
         for k in (
@@ -187,7 +183,7 @@ def plot(result: dict, path: Path) -> None:
         if k in result
     ]
     runs = [r for r in (result.get("baseline"), result) if r is not None]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = subplots(figsize=(7, 3.5))
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
         values = [run.get(k, {}).get("median", 0) for k in keys]
@@ -196,9 +192,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticklabels(["all top-level", "launching work", "outside draft block"])
     ax.set_ylabel("aten ops per propose() step (median)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,7 +273,6 @@ def main(argv: list[str] | None = None) -> int:
         "counters": drafter.counters.as_dict(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
     print(f"{result['steps']} propose() steps ({args.label})")
     keys = (
         "aten_ops_per_step",
@@ -302,9 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             before, after = old[key]["median"], result[key]["median"]
             print(f"  {key:28s} {before:8.2f} -> {after:8.2f}  ({after / max(before, 1e-9):.2f}x)")
         result["baseline"] = old
-        args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png').name}")
+    write_json_png(args.out, result, plot)
     return 0
 
 

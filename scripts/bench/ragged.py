@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scripts.bench.report import save_png, subplots
 from scripts.dev.overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -310,13 +311,8 @@ def run_case(mix, num_requests, dim, window, dtype, min_runs, budget_s):
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     mixes = list(dict.fromkeys(r["mix"] for r in rows))
-    fig, axes = plt.subplots(1, len(mixes), figsize=(4.2 * len(mixes), 3.8), sharey=True)
+    fig, axes = subplots(1, len(mixes), figsize=(4.2 * len(mixes), 3.8), sharey=True)
     axes = axes if len(mixes) > 1 else [axes]
     width = 0.8 / len(IMPLS)
     for ax, mix in zip(axes, mixes, strict=True):
@@ -336,9 +332,7 @@ def plot(rows, path):
     axes[0].set_ylabel("median ms per store call (log)")
     axes[0].legend()
     fig.suptitle("DSpark context-KV store: ours vs per-request loops vs padded rectangle")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 def main(argv=None):

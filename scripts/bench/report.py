@@ -3,8 +3,36 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+
+def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """matplotlib's ``subplots`` on the headless Agg backend (imported only when plotting)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_png(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Lay a figure out, write it and close it (benchmarks draw several per run, headless)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def write_json_png(path: Path, result: dict[str, Any], plot: Any) -> None:
+    """A benchmark's record: ``path`` (JSON) and ``plot(result, png)`` beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png').name}")
 
 
 def _f(x: float | None, digits: int = 1) -> str:
@@ -91,11 +119,6 @@ def write_plots(result: dict[str, Any], stem: Path) -> list[Path]:
     """STEM-acceptance.png (acceptance by draft position, one line per content type; with
     speculation) and STEM-decode.png (server decode tok/s by concurrency, one line per content
     type and prompt length)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     levels, title = result["levels"], f"profile {result['provenance']['profile']}"
     charts = []
     if by_content := content_acceptance(levels):
@@ -115,15 +138,13 @@ def write_plots(result: dict[str, Any], stem: Path) -> list[Path]:
                    f"Decode throughput, {title}"))
     written = []
     for suffix, series, xlabel, ylabel, chart_title in charts:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = subplots(figsize=(7, 4.5))
         for xs, ys, label in series:
             ax.plot(xs, ys, "o-", label=label)
         ax.set(xlabel=xlabel, ylabel=ylabel, title=chart_title, ylim=(0, None),
                xticks=sorted({x for xs, _, _ in series for x in xs}))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
         written.append(stem.with_name(f"{stem.name}-{suffix}.png"))
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        save_png(fig, written[-1])
     return written

@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.bench.report import save_png, subplots, write_json_png
+
 from .. import recipe
 from .adaptive import cpu_name
 
@@ -336,12 +338,7 @@ def rows_curve(steps: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, (ax, ax2, ax3) = subplots(1, 3, figsize=(16, 4.2))
     labels, bottoms = [], []
     bars = [(f"c={c}\n{mode}", result["by_concurrency"][str(c)][mode])
             for c in result["concurrency"] for mode in ("plain", "dspark")]
@@ -368,9 +365,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax3.set_xlabel("rows in the step")
     ax3.set_ylabel("distinct routed experts read per MoE layer")
     ax3.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,15 +449,16 @@ def main(argv: list[str] | None = None) -> int:
         print("distinct routed experts per MoE layer by rows (routed-expert ms of the step): "
               + ", ".join(f"{r}: {v['distinct_experts_per_layer']:.1f} ({v['routed_ms']:.1f})"
                           for r, v in result["experts_by_rows"].items()))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_cost.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "step_cost.png")
-    print(f"wrote {args.out / 'step_cost.json'} and {args.out / 'step_cost.png'}")
-    first = by_c[str(args.concurrency[0])]
-    print(f"step_cost: non-forward {first['dspark']['non_forward_share']:.0%} of a DSpark step; "
-          f"DSpark step {first['step_ratio']:.2f}x a plain step; break-even acceptance length "
-          f"{first['break_even_acceptance_length']:.2f}")
+    write_json_png(args.out / "step_cost.json", result, plot)
+    print(summary_line(by_c[str(args.concurrency[0])]))
     return 0
+
+
+def summary_line(first: dict[str, Any]) -> str:
+    """The line a script reads, for the first concurrency measured."""
+    return (f"step_cost: non-forward {first['dspark']['non_forward_share']:.0%} of a DSpark "
+            f"step; DSpark step {first['step_ratio']:.2f}x a plain step; break-even acceptance "
+            f"length {first['break_even_acceptance_length']:.2f}")
 
 
 if __name__ == "__main__":

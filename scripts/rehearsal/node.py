@@ -32,6 +32,9 @@ COMPOSE = REPO / "docker" / "compose.yaml"
 # Beyond what compose passes: the CPU build's thread binding (one core set per node) and the
 # image's fixed environment (Dockerfile ENV), pointed at this checkout's venv.
 CPU_NODE_VARS = ("VLLM_CPU_OMP_THREADS_BIND", LOOPBACK_BYPASS)
+# The kernel choice of the machine the rehearsal runs on (an ISA cap, forced torch kernels):
+# the nodes must compute as the scorer, which runs in the rehearsal's own environment, does.
+HOST_KERNEL_VARS = ("ONEDNN_MAX_CPU_ISA", "DSPARK_CPU_KERNELS")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^${}]*))?\}")
 
 
@@ -148,6 +151,7 @@ class Node:
         values = read_env_file(self.env_file)
         env = compose_environment(values)
         env.update({k: values[k] for k in CPU_NODE_VARS if k in values})
+        env.update({k: os.environ[k] for k in HOST_KERNEL_VARS if k in os.environ})
         tmp = self.rundir / f"{self.role}-tmp"
         tmp.mkdir(exist_ok=True)
         venv = REPO / ".venv" / "bin"

@@ -34,6 +34,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -547,6 +548,21 @@ def _prepare_out(out: Path, force: bool) -> None:
             raise SystemExit(f"error: --out {out} is not empty; pass --force to replace it")
 
 
+@contextlib.contextmanager
+def staged_folders(targets: list[Path]):
+    """Temp folders beside ``targets``, swapped onto them when the block succeeds and removed
+    when it fails, so an interrupted generation never leaves a half-written checkpoint."""
+    tmps = [Path(tempfile.mkdtemp(prefix=f".{f.name}.tmp-", dir=f.parent)) for f in targets]
+    try:
+        yield tmps
+        for tmp, folder in zip(tmps, targets, strict=True):
+            _swap_into_place(tmp, folder)
+    except BaseException:
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the finished temp dir onto ``out``; an existing ``out`` is removed only after."""
     old = None
@@ -626,8 +642,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    tmps = [Path(tempfile.mkdtemp(prefix=f".{f.name}.tmp-", dir=f.parent)) for f in targets]
-    try:
+    with staged_folders(targets) as tmps:
         log(f"[1/3] training tokenizer (target vocab {args.vocab_size}, seed {args.seed})")
         n_tok = write_tokenizer(tmps[0], args.vocab_size, args.seed, args.max_position_embeddings)
         log(f"      tokenizer: {n_tok} tokens")
@@ -651,12 +666,6 @@ def main(argv: list[str] | None = None) -> int:
                 _write_checkpoint(tmps[1], twin_config(cfg), bf16_twin, log)
         else:
             _write_checkpoint(tmps[0], cfg, tensors, log)
-        for tmp, folder in zip(tmps, targets, strict=True):
-            _swap_into_place(tmp, folder)
-    except BaseException:
-        for tmp in tmps:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {', '.join(map(str, targets))} in {time.monotonic() - t0:.1f}s")
     return 0
 

@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -188,7 +186,6 @@ def generate(args, out: Path) -> dict:
     cfg = tiny.build_config(targs, targs.vocab_size)
     ratios = print_ratios(cfg)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     t0 = time.monotonic()
     total = targs.layers + targs.mtp_layers
     done = [0]
@@ -202,7 +199,7 @@ def generate(args, out: Path) -> dict:
                   f" ({elapsed:.0f}s{eta})", flush=True)
             done[0] += 1
 
-    try:
+    with tiny.staged_folders([out]) as (tmp,):
         print(f"[1/3] tokenizer (vocab {targs.vocab_size})", flush=True)
         tiny.write_tokenizer(tmp, targs.vocab_size, args.seed, targs.max_position_embeddings)
         print(f"[2/3] weights: {targs.layers} target layers + {targs.mtp_layers} draft stage, "
@@ -221,10 +218,6 @@ def generate(args, out: Path) -> dict:
         del tensors
         record = {"options": record_options(args), "bytes": size, "ratios": ratios}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        tiny._swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"wrote {out} in {time.monotonic() - t0:.0f}s", flush=True)
     return record
 

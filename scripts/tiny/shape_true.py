@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -280,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     experts = CPU_EXPERTS if args.size == "cpu" and args.experts == EXPERTS else args.experts
     targs = tiny_args(args.vocab_size, experts, args.seed, args.size)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with tiny.staged_folders([out]) as (tmp,):
         log(f"[1/3] tokenizer (vocab {args.vocab_size})")
         tiny.write_tokenizer(tmp, args.vocab_size, args.seed, targs.max_position_embeddings)
         cfg = build_config(targs)
@@ -290,10 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         tensors = build_real_tensors(cfg, args.seed, log)
         log("[3/3] writing the checkpoint")
         tiny._write_checkpoint(tmp, cfg, tensors, log)
-        tiny._swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {out} in {time.monotonic() - t0:.1f}s")
     return 0
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from scripts.rehearsal.node import (
+    Node,
     compose_environment,
     cpu_seconds,
     process_tree,
@@ -58,6 +59,20 @@ def test_compose_environment_interpolates_defaults_and_required(tmp_path):
     del missing["MASTER_ADDR"]
     with pytest.raises(ValueError, match="MASTER_ADDR: MASTER_ADDR is required"):
         compose_environment(missing)
+
+
+def test_node_environment_carries_the_machines_kernel_choice(tmp_path, monkeypatch):
+    # The scorer runs in the rehearsal's own environment; under an ISA cap or forced torch
+    # kernels the nodes must compute the same way, or a lossless run scores as lossy.
+    write_env_file(tmp_path / "worker.env", VALUES)
+    node = Node(role="worker", host=None, env_values=VALUES, rundir=tmp_path)
+    monkeypatch.delenv("DSPARK_CPU_KERNELS", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    env = node.environment()
+    assert env["ONEDNN_MAX_CPU_ISA"] == "SSE41" and "DSPARK_CPU_KERNELS" not in env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and env["NODE_RANK"] == "1"
+    monkeypatch.setenv("DSPARK_CPU_KERNELS", "torch")
+    assert node.environment()["DSPARK_CPU_KERNELS"] == "torch"
 
 
 def test_process_tree_finds_children_and_grandchildren():

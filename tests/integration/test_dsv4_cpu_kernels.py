@@ -75,6 +75,23 @@ def test_token_request_mapping():
     assert out.tolist() == [0, 0, 0, 2, 2, 0, 0, 9]
 
 
+def swa_rows(idx, lens, valid, block_table, block_size):
+    """The SWA kernels' shared output and paging arguments: one request, every token in it."""
+    return dict(
+        swa_indices_ptr=idx,
+        swa_indices_stride=idx.shape[1],
+        swa_lens_ptr=lens,
+        index_width=idx.shape[1],
+        token_to_req_indices_ptr=torch.zeros(len(valid), dtype=torch.int32),
+        is_valid_token_ptr=valid,
+        block_table_ptr=block_table,
+        block_table_stride=block_table.shape[1],
+        block_size=block_size,
+        token_offset=0,
+        TRITON_BLOCK_SIZE=1024,
+    )
+
+
 def test_swa_indices_window_replay_and_invalid_rows():
     bs = 4
     bt = i32(5, 1, 7, 2)[None]  # one request, blocks 5,1,7,2
@@ -84,24 +101,14 @@ def test_swa_indices_window_replay_and_invalid_rows():
     valid = torch.tensor([True, False, True])
     impl.compute_swa_indices_and_lens_impl(
         (3,),
-        idx,
-        6,
-        lens,
-        4,
-        6,
-        lens,
-        lens,
-        qsl,
-        seq,
-        i32(0, 0, 0),
-        valid,
-        bt,
-        4,
-        bs,
-        i32(5),
-        0,
-        False,
-        1024,
+        **swa_rows(idx, lens, valid, bt, block_size=bs),
+        window_size=4,
+        left_visible_ptr=lens,
+        right_visible_ptr=lens,
+        query_start_loc_ptr=qsl,
+        seq_lens_ptr=seq,
+        replay_start_ptr=i32(5),
+        HAS_IMAGE=False,
     )
     slot = lambda p: int(bt[0, p // bs]) * bs + p % bs  # noqa: E731
     # token 0 (pos 7): window 4 -> positions 4..7; replay_start 5 clips to 5..7
@@ -117,22 +124,13 @@ def test_dspark_noncausal_window_covers_the_whole_block():
     idx = torch.zeros((2, 8), dtype=torch.int32)
     lens = torch.zeros(2, dtype=torch.int32)
     # block of 2 tokens after a prefix of 5; window 3 -> positions 2..6 for both tokens
+    valid = torch.tensor([True, True])
     impl.compute_dspark_noncausal_swa_indices_impl(
         (2,),
-        idx,
-        8,
-        lens,
-        3,
-        8,
-        i32(0, 2),
-        i32(7),
-        i32(0, 0),
-        torch.tensor([True, True]),
-        bt,
-        2,
-        4,
-        0,
-        1024,
+        **swa_rows(idx, lens, valid, bt, block_size=4),
+        window_size=3,
+        query_start_loc_ptr=i32(0, 2),
+        seq_lens_ptr=i32(7),
     )
     expect = [14, 15, 0, 1, 2, -1, -1, -1]  # block 3 -> slots 12..15, block 0 -> 0..3
     assert lens.tolist() == [5, 5]

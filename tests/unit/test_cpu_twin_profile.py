@@ -7,10 +7,8 @@ difference (a serving knob changed in one profile and not in the other) fails.
 
 from __future__ import annotations
 
-import yaml
-
 from scripts import recipe
-from tests.support.paths import REPO
+from tests.support.profile_keys import flat_keys, raw_profile
 
 # key -> why it may differ between the Sparks and their CPU twin
 DEVICE_BOUND = {
@@ -32,33 +30,19 @@ DEVICE_BOUND = {
 }
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def profile(name: str) -> dict:
-    return yaml.safe_load((REPO / "recipe" / "profiles" / f"{name}.yaml").read_text())
-
-
 def differing_keys(a: dict, b: dict) -> set[str]:
-    fa, fb = flat(a), flat(b)
+    fa, fb = flat_keys(a), flat_keys(b)
     return {k for k in fa.keys() | fb.keys() if fa.get(k, KeyError) != fb.get(k, KeyError)}
 
 
 def test_cpu_twin_differs_from_spark_only_in_device_bound_keys():
-    drift = differing_keys(profile("spark-2x"), profile("cpu-2x"))
+    drift = differing_keys(raw_profile("spark-2x"), raw_profile("cpu-2x"))
     assert drift - DEVICE_BOUND.keys() == set(), "keys that drifted between the profiles"
     assert DEVICE_BOUND.keys() - drift == set(), "listed keys that no longer differ: unlist them"
 
 
 def test_drift_detection_sees_a_serving_knob_and_a_new_key():
-    spark, twin = profile("spark-2x"), profile("cpu-2x")
+    spark, twin = raw_profile("spark-2x"), raw_profile("cpu-2x")
     twin["serving"]["max_num_seqs"] += 1
     twin["speculative"]["extra"] = 1
     assert differing_keys(spark, twin) - DEVICE_BOUND.keys() == {

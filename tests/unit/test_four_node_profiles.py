@@ -11,6 +11,7 @@ import yaml
 
 from scripts import recipe
 from tests.support.paths import REPO
+from tests.support.profile_keys import flat_keys, raw_profile
 
 # What four nodes change against two, and nothing else.
 FOUR_NODE_KEYS = {"name", "description", "parallel.tensor_parallel_size", "parallel.nnodes"}
@@ -21,20 +22,6 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-def leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def raw(name: str) -> dict:
-    return yaml.safe_load((REPO / "recipe" / "profiles" / f"{name}.yaml").read_text())
-
-
 # The CPU twin also serves the tiny checkpoint built with four attention output groups
 # (`make model-tp4`), the one the TP=4 end-to-end test runs.
 CPU_TP4_MODEL = "./models/tiny-dsv4-dspark-tp4"
@@ -42,7 +29,7 @@ CPU_TP4_MODEL = "./models/tiny-dsv4-dspark-tp4"
 
 @pytest.mark.parametrize(("two", "four"), [("spark-2x", "spark-4x"), ("cpu-2x", "cpu-4x")])
 def test_four_node_profile_is_the_two_node_one_with_tp4(two, four):
-    a, b = leaves(raw(two)), leaves(raw(four))
+    a, b = flat_keys(raw_profile(two)), flat_keys(raw_profile(four))
     assert a.keys() == b.keys()
     model = {"model.id"} if four == "cpu-4x" else set()
     assert {k for k in a if a[k] != b[k]} == FOUR_NODE_KEYS | model
@@ -57,7 +44,7 @@ def test_validate_takes_several_profiles():
 
 
 def test_validate_of_several_stops_with_status_2_on_a_bad_one(tmp_path):
-    bad = raw("cpu-4x")
+    bad = raw_profile("cpu-4x")
     bad["parallel"]["nnodes"] = 3  # TP=4 does not split over 3 nodes
     path = tmp_path / "cpu-3.yaml"
     path.write_text(yaml.safe_dump(bad))

@@ -308,28 +308,46 @@ def tp2(tmp_path_factory):
     return spawn_ranks(_dist_worker, 2, tmp_path_factory, join_s=150)
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("name", SCENARIOS)
-def test_tp2_matches_tp1_reference_and_zero_pads(tp2, name):
-    sc = build_scenario(name)
+def assert_ranks_match_tp1(sc: dict, results: list[dict], name: str) -> None:
+    """Every rank of a TP run of scenario ``name`` against TP=1 and the reference: rings
+    bit for bit, gathered rows equal to TP=1's with exactly-zero pads, and each rank's one
+    projection over its own L = ceil(N / TP) rows (pads: zero input, positions continuing
+    after the largest live one)."""
+    tp = len(results)
     want = reference_ring(sc)
     tp1_full, tp1_ring, _ = run_ingest(sc, 1, 0, None)
     assert_rings_equal(tp1_ring, want, f"{name} TP=1")
     n = sc["qsl"][-1]
-    padded = n + n % 2
-    for rank, res in enumerate(tp2):
+    rows = -(-n // tp)  # L, by hand
+    padded = rows * tp
+    real_rows = []
+    for rank, res in enumerate(results):
         got = res[name]
-        assert_rings_equal(got["ring"], want, f"{name} TP=2 rank {rank}")
+        assert_rings_equal(got["ring"], want, f"{name} TP={tp} rank {rank}")
         full = got["full"]
         assert full.shape == (padded, sc["layers"] * sc["dim"])
         assert torch.equal(full[:n], tp1_full), f"{name}: gathered rows differ from TP=1"
         assert not full[n:].any(), f"{name}: pad rows are not exactly zero"
-        # The projection ran on this rank's L rows only.
         ((x, pos),) = got["calls"]
-        assert x.shape[0] == padded // 2 and pos.shape == (padded // 2,)
-        if rank == 1 and padded > n:
-            assert not x[-1].any(), "pad input row is not zero"
-            assert pos[-1].item() == sc["positions"].max().item() + 1
+        assert x.shape[0] == rows and pos.shape == (rows,)
+        first = rank * rows
+        real = max(0, min(n - first, rows))
+        real_rows.append(real)
+        assert torch.equal(x[:real], sc["features"][first : first + real].to(x.dtype))
+        assert torch.equal(pos[:real], sc["positions"][first : first + real])
+        if real < rows:
+            assert not x[real:].any(), f"{name} rank {rank}: pad input rows are not zero"
+            top = sc["positions"].max().item()
+            want_pos = [top + 1 + i for i in range(first + real - n, first + rows - n)]
+            assert pos[real:].tolist() == want_pos, (name, rank)
+    assert sum(real_rows) == n and real_rows == sorted(real_rows, reverse=True)
+    assert pp.plan_packed_prefill(n, tp).num_pad_rows == padded - n
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_tp2_matches_tp1_reference_and_zero_pads(tp2, name):
+    assert_ranks_match_tp1(build_scenario(name), tp2, name)
 
 
 @pytest.mark.dist

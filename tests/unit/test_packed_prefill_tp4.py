@@ -18,11 +18,9 @@ import torch
 
 from tests.support.gloo_ranks import run_rank, spawn_ranks
 from tests.unit.test_packed_prefill import (
-    assert_rings_equal,
+    assert_ranks_match_tp1,
     build_scenario,
-    pp,
     random_qsl,
-    reference_ring,
     run_ingest,
 )
 
@@ -87,32 +85,4 @@ def test_own_scenarios_cover_the_missing_residues():
 @pytest.mark.dist
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_tp4_matches_tp1_and_the_reference_with_zero_pads(tp4, name):
-    sc = scenario(name)
-    want = reference_ring(sc)
-    tp1_full, tp1_ring, _ = run_ingest(sc, 1, 0, None)
-    assert_rings_equal(tp1_ring, want, f"{name} TP=1")
-    n = sc["qsl"][-1]
-    rows = -(-n // TP)  # L, by hand: ceil(N / 4)
-    padded = rows * TP
-    real_rows = []
-    for rank, res in enumerate(tp4):
-        got = res[name]
-        assert_rings_equal(got["ring"], want, f"{name} TP=4 rank {rank}")
-        full = got["full"]
-        assert full.shape == (padded, sc["layers"] * sc["dim"])
-        assert torch.equal(full[:n], tp1_full), f"{name}: gathered rows differ from TP=1"
-        assert not full[n:].any(), f"{name}: pad rows are not exactly zero"
-        ((x, pos),) = got["calls"]  # one projection, of this rank's L rows only
-        assert x.shape[0] == rows and pos.shape == (rows,)
-        first = rank * rows
-        real = max(0, min(n - first, rows))
-        real_rows.append(real)
-        assert torch.equal(x[:real], sc["features"][first : first + real].to(x.dtype))
-        assert torch.equal(pos[:real], sc["positions"][first : first + real])
-        if real < rows:  # pads: zero input, positions continuing after the largest live one
-            assert not x[real:].any(), f"{name} rank {rank}: pad input rows are not zero"
-            top = sc["positions"].max().item()
-            want_pos = [top + 1 + i for i in range(first + real - n, first + rows - n)]
-            assert pos[real:].tolist() == want_pos, (name, rank)
-    assert sum(real_rows) == n and real_rows == sorted(real_rows, reverse=True)
-    assert pp.plan_packed_prefill(n, TP).num_pad_rows == padded - n
+    assert_ranks_match_tp1(scenario(name), tp4, name)

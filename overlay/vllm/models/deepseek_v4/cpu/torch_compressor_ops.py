@@ -103,36 +103,49 @@ def _pool_norm(
     return pooled * inv_rms * norm_weight.float()
 
 
-def _closing_rows(positions, kv_slot_mapping, compress_ratio: int) -> torch.Tensor:
-    """Tokens that close a compression group and have a cache slot."""
-    closes = (positions + 1) % compress_ratio == 0
-    return (closes & (kv_slot_mapping >= 0)).nonzero(as_tuple=True)[0]
+def _compressor_op(name: str, head_dim: int, write):
+    """One of the two compressor kernels (same schema): for each token that closes a
+    compression group and has a cache slot, pool its group, RMSNorm, RoPE, then ``write``
+    the rows in that compressor's cache format."""
 
+    def op(
+        state_cache,
+        gather_slots,
+        positions,
+        kv_slot_mapping,
+        rms_norm_weight,
+        rms_norm_eps: float,
+        cos_sin_cache,
+        kv_cache_2d,
+        kv_cache_block_size: int,
+        compress_ratio: int,
+    ):
+        if state_cache.dim() != 3 or state_cache.dtype != torch.float32:
+            raise ValueError(f"{name}: state_cache must be fp32 [num_blocks, block_size, 2*width]")
+        if gather_slots.dim() != 2:
+            raise ValueError(f"{name}: gather_slots must be [num_tokens, window]")
+        num_tokens = gather_slots.shape[0]
+        if positions.numel() != num_tokens or kv_slot_mapping.numel() != num_tokens:
+            raise ValueError(f"{name}: positions/kv_slot_mapping must have num_tokens entries")
+        if rms_norm_weight.numel() != head_dim:
+            raise ValueError(f"{name}: rms_norm_weight must have head_dim ({head_dim}) entries")
+        if kv_cache_2d.dim() != 2 or kv_cache_2d.dtype != torch.uint8:
+            raise ValueError(f"{name}: kv_cache_2d must be a 2D uint8 tensor")
+        if compress_ratio <= 0:
+            raise ValueError(f"{name}: compress_ratio must be positive")
+        closes = (positions + 1) % compress_ratio == 0
+        rows = (closes & (kv_slot_mapping >= 0)).nonzero(as_tuple=True)[0]
+        if rows.numel() == 0:
+            return
+        normed = _pool_norm(
+            state_cache, gather_slots[rows].long(), rms_norm_weight, rms_norm_eps, compress_ratio
+        )
+        group_start = positions[rows].long() // compress_ratio * compress_ratio
+        roped = _rope_gptj(normed, group_start, cos_sin_cache, inverse=False)
+        write(roped, kv_cache_2d, kv_cache_block_size, kv_slot_mapping[rows].long())
 
-def _check_store_args(
-    name,
-    state_cache,
-    gather_slots,
-    positions,
-    kv_slot_mapping,
-    norm_weight,
-    head_dim,
-    kv_cache_2d,
-    compress_ratio,
-):
-    if state_cache.dim() != 3 or state_cache.dtype != torch.float32:
-        raise ValueError(f"{name}: state_cache must be fp32 [num_blocks, block_size, 2*width]")
-    if gather_slots.dim() != 2:
-        raise ValueError(f"{name}: gather_slots must be [num_tokens, window]")
-    num_tokens = gather_slots.shape[0]
-    if positions.numel() != num_tokens or kv_slot_mapping.numel() != num_tokens:
-        raise ValueError(f"{name}: positions/kv_slot_mapping must have num_tokens entries")
-    if norm_weight.numel() != head_dim:
-        raise ValueError(f"{name}: rms_norm_weight must have head_dim ({head_dim}) entries")
-    if kv_cache_2d.dim() != 2 or kv_cache_2d.dtype != torch.uint8:
-        raise ValueError(f"{name}: kv_cache_2d must be a 2D uint8 tensor")
-    if compress_ratio <= 0:
-        raise ValueError(f"{name}: compress_ratio must be positive")
+    op.__name__ = op.__qualname__ = name
+    return op
 
 
 # --------------------------------------------------------------------------- kernels
@@ -157,88 +170,34 @@ def save_partial_states_cpu(kv, score, ape, positions, state_cache, slot_mapping
     state_cache[slots // block_size, slots % block_size] = torch.cat([kv[rows].float(), gated], 1)
 
 
-def compress_norm_rope_store_cpu(
-    state_cache,
-    gather_slots,
-    positions,
-    kv_slot_mapping,
-    rms_norm_weight,
-    rms_norm_eps: float,
-    cos_sin_cache,
-    kv_cache_2d,
-    kv_cache_block_size: int,
-    compress_ratio: int,
-):
-    """Main compressor (head 512): pool, RMSNorm, RoPE, fp8_ds_mla store."""
-    _check_store_args(
-        "compress_norm_rope_store_cpu",
-        state_cache,
-        gather_slots,
-        positions,
-        kv_slot_mapping,
-        rms_norm_weight,
-        MAIN_HEAD_DIM,
-        kv_cache_2d,
-        compress_ratio,
-    )
-    rows = _closing_rows(positions, kv_slot_mapping, compress_ratio)
-    if rows.numel() == 0:
-        return
-    normed = _pool_norm(
-        state_cache, gather_slots[rows].long(), rms_norm_weight, rms_norm_eps, compress_ratio
-    )
-    group_start = positions[rows].long() // compress_ratio * compress_ratio
-    roped = _rope_gptj(normed, group_start, cos_sin_cache, inverse=False)
-    # NoPE dims are quantised from their bf16 rounding; the RoPE dims are stored as bf16.
+def _write_ds_mla(roped, kv_cache_2d, block_size: int, slots) -> None:
+    """Main compressor (head 512): fp8_ds_mla records. NoPE dims are quantised from their
+    bf16 rounding; the RoPE dims are stored as bf16."""
     record, scales = _quantize(roped.to(torch.bfloat16))
-    records, scale_bytes = _token_view(kv_cache_2d, kv_cache_block_size)
-    slots = kv_slot_mapping[rows].long()
-    blk, off = slots // kv_cache_block_size, slots % kv_cache_block_size
+    records, scale_bytes = _token_view(kv_cache_2d, block_size)
+    blk, off = slots // block_size, slots % block_size
     records[blk, off] = record
     scale_bytes[blk, off] = scales
 
 
-def compress_norm_rope_store_indexer_cpu(
-    state_cache,
-    gather_slots,
-    positions,
-    kv_slot_mapping,
-    rms_norm_weight,
-    rms_norm_eps: float,
-    cos_sin_cache,
-    kv_cache_2d,
-    kv_cache_block_size: int,
-    compress_ratio: int,
-):
-    """Indexer compressor (head 128): pool, RMSNorm, RoPE, bf16 round, one-scale FP8 store."""
-    _check_store_args(
-        "compress_norm_rope_store_indexer_cpu",
-        state_cache,
-        gather_slots,
-        positions,
-        kv_slot_mapping,
-        rms_norm_weight,
-        INDEX_HEAD_DIM,
-        kv_cache_2d,
-        compress_ratio,
-    )
-    rows = _closing_rows(positions, kv_slot_mapping, compress_ratio)
-    if rows.numel() == 0:
-        return
-    normed = _pool_norm(
-        state_cache, gather_slots[rows].long(), rms_norm_weight, rms_norm_eps, compress_ratio
-    )
-    group_start = positions[rows].long() // compress_ratio * compress_ratio
-    roped = _rope_gptj(normed, group_start, cos_sin_cache, inverse=False)
+def _write_indexer_fp8(roped, kv_cache_2d, block_size: int, slots) -> None:
+    """Indexer compressor (head 128): bf16 round, one power-of-two FP8 scale per key."""
     fp8, scale = _fp8_pow2_quant(roped.to(torch.bfloat16).float())
-    bs = kv_cache_block_size
+    bs = block_size
     keys = kv_cache_2d[:, : bs * INDEX_HEAD_DIM].view(-1, bs, INDEX_HEAD_DIM)
     key_scales = kv_cache_2d[:, bs * INDEX_HEAD_DIM : bs * (INDEX_HEAD_DIM + INDEX_SCALE_BYTES)]
     key_scales = key_scales.view(-1, bs, INDEX_SCALE_BYTES)
-    slots = kv_slot_mapping[rows].long()
     blk, off = slots // bs, slots % bs
     keys[blk, off] = fp8.view(torch.uint8)
     key_scales[blk, off] = scale.view(-1, 1).view(torch.uint8)
+
+
+compress_norm_rope_store_cpu = _compressor_op(
+    "compress_norm_rope_store_cpu", MAIN_HEAD_DIM, _write_ds_mla
+)
+compress_norm_rope_store_indexer_cpu = _compressor_op(
+    "compress_norm_rope_store_indexer_cpu", INDEX_HEAD_DIM, _write_indexer_fp8
+)
 
 
 def fused_indexer_q_rope_quant_cpu(

@@ -161,18 +161,20 @@ def compute_prefill_metadata_impl(
 
 
 def _write_window_indices(
-    programs: int,
+    grid: Any,
+    window: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
     swa_indices_ptr,
     swa_indices_stride: int,
     swa_lens_ptr,
     index_width: int,
     is_valid_token_ptr,
     token_offset: int,
-    window: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     token_to_req_indices_ptr,
     block_table_ptr,
     block_table_stride: int,
     block_size: int,
+    TRITON_BLOCK_SIZE: int,
 ) -> None:
     """Shared body of the SWA index kernels.
 
@@ -180,12 +182,14 @@ def _write_window_indices(
     padded with -1 to ``index_width``; ``swa_lens[pid] = end - start``. A token whose slot is
     invalid gets length 0 and a row of -1. ``window(token, req)`` returns (start, end).
     """
+    programs = _grid_programs(grid)
     if programs <= 0:
         return
+    block_table_stride, block_size = int(block_table_stride), int(block_size)
     pid = torch.arange(programs, dtype=torch.int64)
     tok = pid + int(token_offset)
     valid = _flat(is_valid_token_ptr).index_select(0, tok).to(torch.bool)
-    width = max(index_width, 0)
+    width = max(int(index_width), 0)
     if bool(valid.any()):
         # Rows of invalid tokens are computed for request 0 and then blanked, which keeps
         # every load in bounds without a per-row branch.
@@ -204,7 +208,7 @@ def _write_window_indices(
     _store(swa_lens_ptr, pid, lens)
     if width > 0:
         cols = torch.arange(width, dtype=torch.int64)
-        _store(swa_indices_ptr, pid[:, None] * swa_indices_stride + cols, rows)
+        _store(swa_indices_ptr, pid[:, None] * int(swa_indices_stride) + cols, rows)
 
 
 def _query_position(query_start_loc_ptr, seq_lens_ptr, tok, req):
@@ -217,24 +221,15 @@ def _query_position(query_start_loc_ptr, seq_lens_ptr, tok, req):
 
 def compute_swa_indices_and_lens_impl(
     grid,
-    swa_indices_ptr,
-    swa_indices_stride,
-    swa_lens_ptr,
+    *,
     window_size,
-    index_width,
     left_visible_ptr,
     right_visible_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    token_to_req_indices_ptr,
-    is_valid_token_ptr,
-    block_table_ptr,
-    block_table_stride,
-    block_size,
     replay_start_ptr,
-    token_offset,
     HAS_IMAGE,
-    TRITON_BLOCK_SIZE,
+    **rows,
 ) -> None:
     """``_compute_swa_indices_and_lens_kernel``: causal sliding-window slots per token."""
     window_size = int(window_size)
@@ -251,38 +246,11 @@ def compute_swa_indices_and_lens_impl(
         start = torch.maximum(start, _load(replay_start_ptr, req))
         return start, pos + right + 1
 
-    _write_window_indices(
-        _grid_programs(grid),
-        swa_indices_ptr,
-        int(swa_indices_stride),
-        swa_lens_ptr,
-        int(index_width),
-        is_valid_token_ptr,
-        int(token_offset),
-        window,
-        token_to_req_indices_ptr,
-        block_table_ptr,
-        int(block_table_stride),
-        int(block_size),
-    )
+    _write_window_indices(grid, window, **rows)
 
 
 def compute_dspark_noncausal_swa_indices_impl(
-    grid,
-    swa_indices_ptr,
-    swa_indices_stride,
-    swa_lens_ptr,
-    window_size,
-    index_width,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    token_to_req_indices_ptr,
-    is_valid_token_ptr,
-    block_table_ptr,
-    block_table_stride,
-    block_size,
-    token_offset,
-    TRITON_BLOCK_SIZE,
+    grid, *, window_size, query_start_loc_ptr, seq_lens_ptr, **rows
 ) -> None:
     """``ComputeDSparkNoncausalSWAIndicesKernel``: block-anchored window + the whole block."""
     window_size = int(window_size)
@@ -292,20 +260,7 @@ def compute_dspark_noncausal_swa_indices_impl(
         start = (prefix_len - window_size).clamp(min=0)
         return start, _load(seq_lens_ptr, req)
 
-    _write_window_indices(
-        _grid_programs(grid),
-        swa_indices_ptr,
-        int(swa_indices_stride),
-        swa_lens_ptr,
-        int(index_width),
-        is_valid_token_ptr,
-        int(token_offset),
-        window,
-        token_to_req_indices_ptr,
-        block_table_ptr,
-        int(block_table_stride),
-        int(block_size),
-    )
+    _write_window_indices(grid, window, **rows)
 
 
 # ----------------------------------------------------- v1/attention/backends/mla/compressor_utils.py
