@@ -249,9 +249,14 @@ def test_mtu_1500(pair):
     assert "'mtu: 9000' for enP2p1s0f0np0 in /etc/netplan/*.yaml" in out
 
 
-def test_missing_interface(pair):
+def run_only(pair, check: str, **env: str) -> tuple[int, str]:
+    """One preflight check on the head of a healthy pair, with ``env`` over its .env."""
     host, cache = pair
-    rc, out = run_preflight(host, node_env(0, cache, NCCL_SOCKET_IFNAME="enp9s0"), "--only", "mtu")
+    return run_preflight(host, node_env(0, cache, **env), "--only", check)
+
+
+def test_missing_interface(pair):
+    rc, out = run_only(pair, "mtu", NCCL_SOCKET_IFNAME="enp9s0")
     assert rc == 1
     assert "interface enp9s0 does not exist (present: " in out
 
@@ -268,11 +273,10 @@ def test_hca_down_fails_the_rdma_check(host):
 
 
 def test_pinned_gid_index_that_moved(pair):
-    host, cache = pair
-    rc, out = run_preflight(host, node_env(0, cache, NCCL_IB_GID_INDEX="1"), "--only", "rdma")
+    rc, out = run_only(pair, "rdma", NCCL_IB_GID_INDEX="1")
     assert rc == 1
     assert "NCCL_IB_GID_INDEX=1 is not a RoCE v2 IPv4 GID on every HCA any more" in out
-    rc, out = run_preflight(host, node_env(0, cache, NCCL_IB_GID_INDEX="3"), "--only", "rdma")
+    rc, out = run_only(pair, "rdma", NCCL_IB_GID_INDEX="3")
     assert rc == 0
     assert "WARN  gid      NCCL_IB_GID_INDEX=3 is valid today" in out
 
