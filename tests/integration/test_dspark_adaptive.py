@@ -453,7 +453,7 @@ def test_served_steps_correct_the_table(env, monkeypatch):
     (a constant the dummy forwards miss): exploration steps verify every draft, the fit of
     served times recovers the line, the rule reads ``a + b x table`` and ``auto`` turns the
     cut off (no cut can gain 4% of a 20 s step)."""
-    from vllm.v1.spec_decode.dspark.proposer import REFIT_EVERY
+    from vllm.v1.spec_decode.dspark.proposer import REFIT_EVERY, REFIT_UNFITTED
     from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 
     table = linear_table(100.0)
@@ -464,16 +464,22 @@ def test_served_steps_correct_the_table(env, monkeypatch):
     clock = _Clock()
     proposer.served = ServedStepFit(clock=clock)
     k = proposer.num_speculative_tokens
-    cut_steps, whole_steps = [], []
+    cut_steps, whole_steps, first_fit = [], [], None
     for step in range(REFIT_EVERY):
         # One width at first (nothing to fit: the proposer explores), then every width.
         widths = [1, 1] if step < ServedStepFit.EXPLORE_DENSE else [step % (k + 1), (step + 2) % (k + 1)]
         clock.now += (20_000.0 + 0.5 * table.step_ms(2, 2 + sum(widths))) / 1e3
         counts = _counts(proposer.propose(_decode_inputs(proposer, widths, step)))
         (whole_steps if counts == [k, k] else cut_steps).append(step)
+        if first_fit is None and proposer.served.fitted is not None:
+            first_fit = step
         if step == ServedStepFit.EXPLORE_DENSE - 1:
             assert counts == [k, k]  # explores: one width so far, no spread
     assert cut_steps  # the measured table alone makes the rule cut
+    # Step s observes s intervals; unfitted, a refit is tried every REFIT_UNFITTED steps, so
+    # the first fit comes at the first such try with min_steps observations, not at 63.
+    tries = range(REFIT_UNFITTED - 1, REFIT_EVERY, REFIT_UNFITTED)
+    assert first_fit == next(s for s in tries if s >= proposer.served.min_steps) < REFIT_EVERY - 1
     a, b = proposer.served.fitted
     assert a == pytest.approx(20_000.0, rel=1e-3) and b == pytest.approx(0.5, rel=1e-2)
     want = a + b * table.matrix(proposer.max_num_seqs, proposer.max_num_seqs * (k + 1))

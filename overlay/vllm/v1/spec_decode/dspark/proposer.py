@@ -71,6 +71,9 @@ from vllm.v1.spec_decode.dspark.step_plan import (
 
 logger = init_logger(__name__)
 REFIT_EVERY = 64  # proposals between refits of the served-step correction
+# Until the first fit, a refit is tried this often: the dense exploration before it costs
+# tokens (a narrow step on a draft that is nearly always right emits one or two of ~k).
+REFIT_UNFITTED = 16
 
 __all__ = ["DSparkCounters", "DSparkProposer"]
 
@@ -441,8 +444,10 @@ class DSparkProposer:
 
     def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> str | None:
         """Host bookkeeping of served step times (``served_steps``): observe this step,
-        refit the table's correction every ``REFIT_EVERY`` proposals. Returns how this step
-        explores (``ServedStepFit.explore``), None when it does not."""
+        refit the table's correction every ``REFIT_EVERY`` proposals (``REFIT_UNFITTED``
+        before the first fit; proposals count alike on every TP rank, and a refit
+        broadcasts). Returns how this step explores (``ServedStepFit.explore``), None when
+        it does not."""
         num_reqs = len(req_ids)
         rows = int(step.query_start_loc_cpu[num_reqs])
         decode_only = num_reqs > 0 and rows <= self._base_ms.shape[1] - 1 and np.array_equal(
@@ -451,7 +456,8 @@ class DSparkProposer:
         )
         table_ms = float(self._base_ms[num_reqs, rows]) if decode_only else 0.0
         self.served.step(req_ids, decode_only, table_ms)
-        if self.served.proposals % REFIT_EVERY == REFIT_EVERY - 1:
+        every = REFIT_UNFITTED if self.served.fitted is None else REFIT_EVERY
+        if self.served.proposals % every == every - 1:
             self._refit()
         return self.served.explore()
 
