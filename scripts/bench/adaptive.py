@@ -48,6 +48,7 @@ from .. import recipe
 
 OUT_DIR = recipe.REPO / "bench-results"
 PROMPT_LENS = [80, 9, 210, 33, 300, 2, 130, 1]
+MAX_LEARNING_PASSES = 12  # auto's passes before the rounds at most (its warm-up included)
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -143,6 +144,13 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     modes = mode_names(k)
     for mode in modes:  # warm-up, not reported
         one_pass(mode, f"warm-{mode}")
+    # auto learns its served-step correction in its first steps; the rounds compare steady
+    # states, so auto keeps warming up until the fit forms (its learning is reported apart).
+    learning = {"passes": 1, "proposals": drafter.served.proposals}
+    while drafter.served.fitted is None and learning["passes"] < MAX_LEARNING_PASSES:
+        one_pass("auto", f"learn-{learning['passes']}")
+        learning = {"passes": learning["passes"] + 1, "proposals": drafter.served.proposals}
+    learning["fitted"] = drafter.served.fitted is not None
     passes: list[dict[str, dict[str, Any]]] = []
     for rnd in range(rounds):
         shift = rnd % len(modes)
@@ -158,6 +166,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         "table": json.loads(table.to_json()),
         "max_gain": table.max_gain(concurrency),
         "first_step_seconds": started["seconds"],
+        "learning": learning,
         "rounds": passes,
     }
 
@@ -217,6 +226,7 @@ def summarize(child: dict[str, Any]) -> dict[str, Any]:
         "max_gain": child["max_gain"],
         "table": child["table"],
         "first_step_seconds": child["first_step_seconds"],
+        "learning": child["learning"],
         "rounds": len(rounds),
     }
 
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['auto_over_best_fixed']:.3f}x, auto/full {s['auto_over_full_width']:.3f}x; "
               f"rule {'on' if s['rule_on'] else 'off'} (most a cut could gain "
               f"{100 * s['max_gain']:.0f}%), {'on' if s['rule_on_at_end'] else 'off'} at the "
-              f"end; served steps {fit_text(s['served_fit'])}; table measured in "
+              f"end; served steps {fit_text(s['served_fit'])} (learned in "
+              f"{s['learning']['proposals']} steps, {s['learning']['passes']} passes); table measured in "
               f"{s['table']['measure_seconds']:.1f} s", flush=True)
     result = {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
