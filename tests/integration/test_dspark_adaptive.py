@@ -506,7 +506,7 @@ def test_narrow_exploration_spreads_a_rule_that_keeps_full_width(env, monkeypatc
         totals.append(sum(_counts(proposer.propose(_decode_inputs(proposer, [k, k], step)))))
     assert totals[2 * dense - 1] <= 2  # the second exploring step: narrow
     assert all(t == 2 * k for i, t in enumerate(totals) if i != 2 * dense - 1), totals
-    assert not proposer.served.spread_enough()  # one shape served so far (k, k)
+    assert not proposer.served.slope_known()  # one shape served so far (k, k)
 
 
 def test_budgets_reach_the_scheduler_with_the_step_output():

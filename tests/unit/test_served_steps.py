@@ -109,3 +109,31 @@ def test_exploration_is_dense_until_the_times_spread_then_sparse_wide_and_narrow
     _serve(fit, clock, [10.0, 30.0] * 5, lambda x: 30.0)
     late = [fit.explore() for _ in range(256)]
     assert sum(e is not None for e in late) == 256 // ServedStepFit.EXPLORE_SPARSE
+
+
+def _one_width_and_rare_narrow_steps(n, noise_ms, seed=0):
+    """The twin at c=1: the rule keeps full width (table 50.9 ms), one step in 16 explores
+    narrow (42.2 ms); served = 10 + 1.2 x table, plus uniform noise."""
+    rng = random.Random(seed)
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    xs = [42.2 if i % 16 == 15 else 50.9 for i in range(n)]
+    _serve(fit, clock, xs, lambda x: 10.0 + 1.2 * x + rng.uniform(-noise_ms, noise_ms))
+    return fit
+
+
+def test_narrowly_spread_times_fit_once_enough_steps_pin_the_slope():
+    # Table times spread by about 4% of their mean; 200 steps at +-2 ms settle b anyway.
+    fit = _one_width_and_rare_narrow_steps(200, noise_ms=2.0)
+    assert fit.slope_known()
+    a, b = fit.fit()
+    assert b == pytest.approx(1.2, abs=0.3)
+    assert fit.predict(50.9) == pytest.approx(10.0 + 1.2 * 50.9, rel=0.02)
+    assert fit.predict(42.2) == pytest.approx(10.0 + 1.2 * 42.2, rel=0.03)
+
+
+def test_noisy_steps_with_little_spread_do_not_fit():
+    # 40 steps, two of them narrow, +-20 ms of noise: the slope could be anything.
+    fit = _one_width_and_rare_narrow_steps(40, noise_ms=20.0)
+    assert fit.steps >= fit.min_steps
+    assert not fit.slope_known() and fit.fit() is None

@@ -15,12 +15,13 @@ by exponentially weighted least squares, and the rule reads ``a + b * table``: t
 keeps its shape (tiles, cliffs), the served steps set its offset and scale. An observation
 is the time from one proposal to the next when both steps are decode steps of the same
 requests (none in prefill): that interval holds exactly one step of that shape (scheduling,
-the target forward over its verify rows, sampling, the draft block). Until the served times
-spread over enough table times to tell ``a`` from ``b``, the table is used as measured. A
-few steps explore (one in 8 while the times do not spread, one in 64 once they do),
-alternately wide (every draft verified: the wide end is seen even when the rule cuts deep)
-and narrow (about one draft per request: the narrow end is seen even when the rule keeps
-full width, which alone would never spread the times).
+the target forward over its verify rows, sampling, the draft block). Until the observations
+pin ``b`` down (its standard error at most ``MAX_SLOPE_ERROR``: few steps of widely spread
+table times, or many of narrowly spread ones), the table is used as measured. A few steps
+explore (one in 8 until then, one in 64 after), alternately wide (every draft verified: the
+wide end is seen even when the rule cuts deep) and narrow (about one draft per request: the
+narrow end is seen even when the rule keeps full width, which alone would never spread the
+times).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ class ServedStepFit:
 
     ``half_life``: observations after which one's weight halves (the fit follows a change
     of load or of the requests' lengths). ``min_steps``: observations before a fit.
-    ``min_spread``: the relative spread (weighted std / mean) of the table times needed to
-    separate ``a`` from ``b``. ``clock``: seconds (a stand-in in tests).
+    ``clock``: seconds (a stand-in in tests).
     """
 
     # Once fitted, a step slower than this many times the prediction is a stall (a pause of
@@ -52,19 +52,24 @@ class ServedStepFit:
     # the slowest mode; the rule's own step-to-step widths usually give the spread).
     EXPLORE_DENSE = 8
     EXPLORE_SPARSE = 64
+    # The fit is used once the standard error of its scale ``b`` is at most this. A spread
+    # threshold alone failed on the CPU twin at c=1: the rule kept full width, one step in
+    # 16 was narrow, the times spread by 4% (under a 5% bar) and the fit never formed, so
+    # the dense exploration's narrow steps cost 3% of the tokens for good.
+    MAX_SLOPE_ERROR = 0.15
     WIDE, NARROW = "wide", "narrow"
 
     def __init__(
         self,
         half_life: float = 256.0,
         min_steps: int = 32,
-        min_spread: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.decay = 0.5 ** (1.0 / half_life)
-        self.min_steps, self.min_spread, self.clock = min_steps, min_spread, clock
+        self.min_steps, self.clock = min_steps, clock
         self.steps = 0  # observations so far
-        self.sums = [0.0] * 5  # weight, x, y, xx, xy (x: table ms, y: served ms)
+        # weight, x, y, xx, xy, yy (x: table ms, y: served ms), and the squared weights
+        self.sums = [0.0] * 7
         self.last: tuple[float, tuple[str, ...] | None] | None = None
         self.fitted: tuple[float, float] | None = None
         self.proposals = 0
@@ -75,19 +80,35 @@ class ServedStepFit:
         (about one draft per request), alternately; None when it does not. Called once per
         proposal, the same sequence on every TP rank."""
         self.proposals += 1
-        every = self.EXPLORE_SPARSE if self.spread_enough() else self.EXPLORE_DENSE
+        every = self.EXPLORE_SPARSE if self.slope_known() else self.EXPLORE_DENSE
         if self.proposals % every:
             return None
         self.explored += 1
         return self.WIDE if self.explored % 2 else self.NARROW
 
-    def spread_enough(self) -> bool:
-        """Whether the observed table times spread enough to separate ``a`` from ``b``."""
-        w, x, _, xx, _ = self.sums
+    def _moments(self) -> tuple[float, float, float, float, float] | None:
+        """Weighted (mean x, mean y, var x, cov xy, var y), None before any observation."""
+        w, x, y, xx, xy, yy, _ = self.sums
         if w <= 0.0:
+            return None
+        mx, my = x / w, y / w
+        return mx, my, xx / w - mx * mx, xy / w - mx * my, yy / w - my * my
+
+    def slope_known(self) -> bool:
+        """Whether the observations pin the scale ``b`` down: its standard error (residual
+        variance over effective observations times the table times' variance) is at most
+        ``MAX_SLOPE_ERROR``. One table time only (one shape served) never does."""
+        moments = self._moments()
+        if moments is None:
             return False
-        mean_x = x / w
-        return xx / w - mean_x * mean_x > (self.min_spread * mean_x) ** 2
+        _, _, var_x, cov, var_y = moments
+        # Relative floor: table times within rounding of each other are one shape.
+        if var_x <= 1e-9 * (self.sums[1] / self.sums[0]) ** 2:
+            return False
+        residual = max(var_y - cov * cov / var_x, 0.0)
+        w, ww = self.sums[0], self.sums[6]
+        effective = w * w / ww
+        return residual / (effective * var_x) <= self.MAX_SLOPE_ERROR**2
 
     def step(self, req_ids: Sequence[str], decode_only: bool, table_ms: float) -> None:
         """At each proposal: ``req_ids`` of this step, whether none of them was in prefill,
@@ -107,8 +128,9 @@ class ServedStepFit:
         d = self.decay
         s = self.sums
         for i, v in enumerate((1.0, table_ms, served_ms, table_ms * table_ms,
-                               table_ms * served_ms)):
+                               table_ms * served_ms, served_ms * served_ms)):
             s[i] = s[i] * d + v
+        s[6] = s[6] * d * d + 1.0
         self.steps += 1
 
     def predict(self, table_ms: float) -> float:
@@ -117,12 +139,10 @@ class ServedStepFit:
 
     def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` once the observations allow it, else None; kept as ``fitted``."""
-        if self.steps < self.min_steps or not self.spread_enough():
+        if self.steps < self.min_steps or not self.slope_known():
             return None
-        w, x, y, xx, xy = self.sums
-        mean_x, mean_y = x / w, y / w
-        var_x = xx / w - mean_x * mean_x
-        b = max((xy / w - mean_x * mean_y) / var_x, self.MIN_SCALE)
+        mean_x, mean_y, var_x, cov, _ = self._moments()
+        b = max(cov / var_x, self.MIN_SCALE)
         # Keep every fitted time positive down to half the mean table time.
         a = max(mean_y - b * mean_x, -0.5 * b * mean_x)
         self.fitted = (a, b)
