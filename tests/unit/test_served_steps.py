@@ -27,7 +27,7 @@ def _serve(fit, clock, shapes, served_ms, ids=("a", "b")):
         fit.step(list(ids), True, x)
 
 
-@pytest.mark.parametrize("a,b", [(30.0, 0.5), (0.0, 1.0), (5.0, 2.0)])
+@pytest.mark.parametrize("a,b", [(30.0, 0.5), (0.0, 1.0), (5.0, 0.8)])
 def test_fit_recovers_the_line_the_steps_follow(a, b):
     rng = random.Random(0)
     clock = Clock()
@@ -84,6 +84,21 @@ def test_rows_never_get_cheaper_and_times_stay_positive():
     _serve(fit, clock, [10.0, 20.0, 30.0] * 20, lambda x: 60.0 - 0.1 * x)
     a, b = fit.fit()
     assert b == ServedStepFit.MIN_SCALE and a > 0
+
+
+def test_rows_never_cost_more_than_the_table_says():
+    # Served rows 1.5x the table's: the scale stops at 1 and the intercept is the least
+    # squares one for that scale (the mean served time minus the mean table time).
+    rng = random.Random(2)
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    xs = [rng.uniform(10.0, 40.0) for _ in range(200)]
+    _serve(fit, clock, xs, lambda x: 5.0 + 1.5 * x)
+    a, b = fit.fit()
+    observed = xs[1:]  # the first proposal has no step before it
+    mean_x = sum(observed) / len(observed)
+    assert b == ServedStepFit.MAX_SCALE == 1.0
+    assert a == pytest.approx(5.0 + 0.5 * mean_x, rel=0.05)
 
 
 def test_old_steps_fade():

@@ -46,6 +46,13 @@ class ServedStepFit:
     OUTLIER = 4.0
     # The fitted scale never falls below this: a step with more rows never costs less.
     MIN_SCALE = 0.02
+    # Nor rises above this: a served row costs at most the table's (random ids route each
+    # table row to its own experts; real continuations share them). So the correction can
+    # only make the rule cut less than the measured table says, never more. On the CPU twin
+    # at c=8 the fit's noise (2 cores, ~10 ms per ~150 ms step) gave scales from 0.6 to 1.6
+    # where the steps measured one by one followed 12 ms + 1.02 x table; at 1.32 the rule
+    # cut to an acceptance length of 3.5 where full width (5.1) was 12% faster.
+    MAX_SCALE = 1.0
     # Explore (verify every draft) on one step in EXPLORE_DENSE while the observed table
     # times do not spread enough to fit, one in EXPLORE_SPARSE once they do (measured on the
     # CPU twin: exploring one step in 4 cost auto 4-5% of its tokens/s where full width is
@@ -142,7 +149,7 @@ class ServedStepFit:
         if self.steps < self.min_steps or not self.slope_known():
             return None
         mean_x, mean_y, var_x, cov, _ = self._moments()
-        b = max(cov / var_x, self.MIN_SCALE)
+        b = min(max(cov / var_x, self.MIN_SCALE), self.MAX_SCALE)
         # Keep every fitted time positive down to half the mean table time.
         a = max(mean_y - b * mean_x, -0.5 * b * mean_x)
         self.fitted = (a, b)
