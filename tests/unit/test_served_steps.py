@@ -152,3 +152,17 @@ def test_noisy_steps_with_little_spread_do_not_fit():
     fit = _one_width_and_rare_narrow_steps(40, noise_ms=20.0)
     assert fit.steps >= fit.min_steps
     assert not fit.slope_known() and fit.fit() is None
+
+
+def test_dense_exploration_ends_even_when_the_slope_stays_unknown():
+    # One table time only: the slope is never known. Dense for the first DENSE_PROPOSALS
+    # proposals, sparse after, so an unattainable fit stops costing tokens.
+    clock = Clock()
+    fit = ServedStepFit(clock=clock)
+    _serve(fit, clock, [20.0] * 10, lambda x: 30.0)
+    limit, dense, sparse = (ServedStepFit.DENSE_PROPOSALS, ServedStepFit.EXPLORE_DENSE,
+                            ServedStepFit.EXPLORE_SPARSE)
+    calls = [fit.explore() is not None for _ in range(limit + 4 * sparse)]
+    assert not fit.slope_known()
+    assert sum(calls[:limit]) == limit // dense
+    assert sum(calls[limit:]) == 4

@@ -21,7 +21,7 @@ table times, or many of narrowly spread ones), the table is used as measured. A 
 explore (one in 8 until then, one in 64 after), alternately wide (every draft verified: the
 wide end is seen even when the rule cuts deep) and narrow (about one draft per request: the
 narrow end is seen even when the rule keeps full width, which alone would never spread the
-times).
+times); densely for the first 256 proposals at most.
 """
 
 from __future__ import annotations
@@ -53,12 +53,14 @@ class ServedStepFit:
     # where the steps measured one by one followed 12 ms + 1.02 x table; at 1.32 the rule
     # cut to an acceptance length of 3.5 where full width (5.1) was 12% faster.
     MAX_SCALE = 1.0
-    # Explore (verify every draft) on one step in EXPLORE_DENSE while the observed table
-    # times do not spread enough to fit, one in EXPLORE_SPARSE once they do (measured on the
-    # CPU twin: exploring one step in 4 cost auto 4-5% of its tokens/s where full width is
-    # the slowest mode; the rule's own step-to-step widths usually give the spread).
+    # Explore on one step in EXPLORE_DENSE until the fit's slope is known, one in
+    # EXPLORE_SPARSE after (measured on the CPU twin: exploring one step in 4 cost auto 4-5%
+    # of its tokens/s where full width is the slowest mode). Dense for DENSE_PROPOSALS at
+    # most: where steps are too short for the host clock to pin the slope (the tiny model's
+    # few-ms steps), the table is used as measured and exploring stops costing tokens.
     EXPLORE_DENSE = 8
     EXPLORE_SPARSE = 64
+    DENSE_PROPOSALS = 256
     # The fit is used once the standard error of its scale ``b`` is at most this. A spread
     # threshold alone failed on the CPU twin at c=1: the rule kept full width, one step in
     # 16 was narrow, the times spread by 4% (under a 5% bar) and the fit never formed, so
@@ -87,7 +89,8 @@ class ServedStepFit:
         (about one draft per request), alternately; None when it does not. Called once per
         proposal, the same sequence on every TP rank."""
         self.proposals += 1
-        every = self.EXPLORE_SPARSE if self.slope_known() else self.EXPLORE_DENSE
+        dense = self.proposals <= self.DENSE_PROPOSALS and not self.slope_known()
+        every = self.EXPLORE_DENSE if dense else self.EXPLORE_SPARSE
         if self.proposals % every:
             return None
         self.explored += 1
