@@ -1,5 +1,6 @@
 """Views of a sweep result: Markdown tables (levels, content types) and PNG charts. Timings are
-`vllm bench serve`'s own numbers; acceptance and server decode come from /metrics deltas."""
+`vllm bench serve`'s own numbers; acceptance and server decode come from /metrics deltas.
+Also the figure and record helpers every benchmark here writes its JSON + PNG with."""
 
 from __future__ import annotations
 
