@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from scripts.tiny.make_tiny_model import write_generation_config
+from scripts.tiny.membound import RECORD as TWIN_RECORD
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-dsv4-dspark"
@@ -36,6 +37,10 @@ def ensure_tiny_model(
     progress; ``announce`` (a prefix, e.g. ``">> "``) prints a line before generating.
     """
     path = Path(path).resolve()
+    if (path / TWIN_RECORD).is_file():
+        # The memory-bound twin: `make model-membound` generates and trains it, at its own
+        # temperature and training settings; the tiny defaults would overwrite both.
+        return path
     if not (path / "config.json").exists():
         if announce is not None:
             print(f"{announce}generating the tiny DeepSeek-V4-DSpark checkpoint: {path}", flush=True)

@@ -265,6 +265,8 @@ def main(argv=None) -> int:
     cached = path.is_file() and json.loads(path.read_text())["options"] == record_options(args)
     if cached and not args.force:
         print(f">> {out}: generated already ({path})")
+        if tiny.write_generation_config(out, args.temperature):  # a tool rewrote it
+            print(f">> {out}: served temperature set back to {args.temperature:g}")
     else:
         if out.exists() and any(out.iterdir()) and not args.force and not path.is_file():
             raise SystemExit(f"error: {out} is not empty and holds no twin; pass --force")

@@ -53,3 +53,25 @@ def test_ab_states_the_temperature_its_requests_run_at(tmp_path):
     assert ab.stated_temperature(None, _profile_at(tmp_path)).startswith("1 (the server's default")
     flags = ["--generation-config", "vllm"]
     assert "serving.extra_args" in ab.stated_temperature(None, _profile_at(tmp_path, extra_args=flags))
+
+
+def test_the_tiny_checkpoints_ensure_leaves_the_twin_alone(tmp_path):
+    """The demo ensures its profile's checkpoint; for the memory-bound twin (served at 0.8,
+    its membound.json beside it) that once rewrote the twin to greedy, so every later
+    `make ab` on the twin ran at temperature 0, and retrained its draft with the tiny
+    model's settings (with train=False here: the twin's folder must stay as it was)."""
+    from scripts.tiny.ensure import ensure_tiny_model
+    from scripts.tiny.membound import RECORD, TEMPERATURE
+
+    twin, tiny = tmp_path / "twin", tmp_path / "tiny"
+    for folder in (twin, tiny):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        write_generation_config(folder, TEMPERATURE)
+    (twin / RECORD).write_text("{}")
+    before = {f.name: f.read_bytes() for f in twin.iterdir()}
+    assert ensure_tiny_model(twin, train=True) == twin.resolve()  # no training started
+    ensure_tiny_model(tiny, train=False)
+    assert {f.name: f.read_bytes() for f in twin.iterdir()} == before
+    assert _vllm_default_sampling(twin) == {"temperature": TEMPERATURE}
+    assert _vllm_default_sampling(tiny) == {"temperature": 0.0}
