@@ -1,7 +1,7 @@
 """Serving benchmark on `vllm bench serve`: `python -m scripts.bench --help` (repo root).
 
-content: content-typed prompts; sweep: the levels, /metrics deltas, provenance; prometheus and
-dspark: /metrics parsing (shared with the smoke check); report; ab: `make ab`. The roofline
-beside every level is roofline.py; the micro-benchmarks (ragged, packed_prefill, proposer,
-dsv4_cpu) run as `python -m scripts.bench.NAME`.
+The sweep: content (content-typed prompts), sweep (levels, provenance), levels (/metrics deltas;
+parsing lives in scripts/node/metrics.py, shared with the health check), report, ab (`make ab`).
+figures writes every benchmark's JSON + PNG. The other modules are single-module benchmarks, run
+as `python -m scripts.bench.NAME` (scripts/bench/README.md).
 """

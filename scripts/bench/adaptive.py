@@ -31,9 +31,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.report import save_png, subplots, write_json_png
+from scripts.bench.figures import cpu_name, save_png, subplots, write_json_png
 
 from .. import recipe
 
@@ -220,13 +218,8 @@ def summarize(child: dict[str, Any]) -> dict[str, Any]:
         "auto_over_full_width": statistics.median(ratio_full),
         "per_round_auto_over_best_fixed": ratio_best,
         "per_round_auto_over_full_width": ratio_full,
-        "rule_on": child["rule_on"],
-        "rule_on_at_end": child["rule_on_at_end"],
-        "served_fit": child["served_fit"],
-        "max_gain": child["max_gain"],
-        "table": child["table"],
-        "first_step_seconds": child["first_step_seconds"],
-        "learning": child["learning"],
+        **{key: child[key] for key in ("rule_on", "rule_on_at_end", "served_fit", "max_gain",
+                                       "table", "first_step_seconds", "learning")},
         "rounds": len(rounds),
     }
 
@@ -240,12 +233,6 @@ def summary_line(results: dict[int, dict[str, Any]]) -> str:
     top = max(results)
     return (f"adaptive: auto/best-fixed {best}; auto/full-width c={top} "
             f"{results[top]['auto_over_full_width']:.2f}x")
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    found = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
-    return found.group(1) if found else platform.processor() or platform.machine()
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

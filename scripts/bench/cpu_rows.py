@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.bench.report import save_png, subplots, write_json_png
+from scripts.bench.figures import cpu_name, save_png, subplots, write_json_png
 
 from .. import recipe
-from .adaptive import cpu_name
 
 ROWS = (1, 2, 3, 4, 5, 6, 8)
 

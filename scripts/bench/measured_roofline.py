@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.report import save_png, subplots
+from scripts.bench.figures import save_png, subplots
 
 from .. import recipe
 

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench.adaptive import cpu_name
-from scripts.bench.report import save_png, subplots, write_json_png
+from scripts.bench.figures import cpu_name, save_png, subplots, write_json_png
 from scripts.dev.overlay_source import load_overlay_module
 
 noise = load_overlay_module("vllm/models/deepseek_v4/common/dspark/noise.py")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scripts.bench.report import save_png, subplots, write_json_png
+from scripts.bench.figures import save_png, subplots, write_json_png
 from scripts.dev.overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[2]

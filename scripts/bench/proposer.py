@@ -49,7 +49,7 @@ for key, value in {
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from scripts.bench.report import save_png, subplots, write_json_png  # noqa: E402
+from scripts.bench.figures import save_png, subplots, write_json_png  # noqa: E402
 from scripts.tiny.ensure import ensure_tiny_model  # noqa: E402
 from scripts.verify.engine import engine_kwargs, make_engine  # noqa: E402
 from scripts.verify.prompts import MIXED_LENGTHS, random_prompts  # noqa: E402

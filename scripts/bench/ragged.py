@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scripts.bench.report import save_png, subplots
+from scripts.bench.figures import save_png, subplots
 from scripts.dev.overlay_source import load_overlay_module
 
 ROOT = Path(__file__).resolve().parents[2]

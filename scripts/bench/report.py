@@ -1,39 +1,12 @@
 """Views of a sweep result: Markdown tables (levels, content types) and PNG charts. Timings are
-`vllm bench serve`'s own numbers; acceptance and server decode come from /metrics deltas.
-Also the figure and record helpers every benchmark here writes its JSON + PNG with."""
+`vllm bench serve`'s own numbers; acceptance and server decode come from /metrics deltas."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-
-def subplots(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    """matplotlib's ``subplots`` on the headless Agg backend (imported only when plotting)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, **kwargs)
-
-
-def save_png(fig: Any, path: Path, dpi: int = 110) -> None:
-    """Lay a figure out, write it and close it (benchmarks draw several per run, headless)."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-
-
-def write_json_png(path: Path, result: dict[str, Any], plot: Any) -> None:
-    """A benchmark's record: ``path`` (JSON) and ``plot(result, png)`` beside it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png').name}")
+from .figures import save_png, subplots
 
 
 def _f(x: float | None, digits: int = 1) -> str:

@@ -60,10 +60,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.report import save_png, subplots, write_json_png
+from scripts.bench.figures import cpu_name, save_png, subplots, write_json_png
 
 from .. import recipe
-from .adaptive import cpu_name
 
 OUT_DIR = recipe.REPO / "bench-results"
 ENGINE_ENV = {

@@ -18,7 +18,6 @@ import itertools
 import json
 import os
 import platform
-import re
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from typing import Any
 
 from .. import recipe
 from . import content, levels
+from .figures import cpu_name
 
 RESULT_KIND = "dspark-serving-sweep"
 
@@ -152,8 +152,6 @@ def provenance(profile: dict[str, Any], base_url: str, api_key: str | None) -> d
         server = json.loads(get(base_url, "/version", api_key)).get("version")
     except (OSError, ValueError):
         server = None
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
     git = ("git", "-C", str(recipe.REPO))
     return {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -161,7 +159,7 @@ def provenance(profile: dict[str, Any], base_url: str, api_key: str | None) -> d
         "dirty": bool(_run(*git, "status", "--porcelain", "--untracked-files=no")),
         "profile": profile["name"], "profile_config": profile,
         "vllm_server": server, "vllm_client": client_vllm,
-        "cpu": cpu.group(1) if cpu else platform.processor(), "cpu_count": os.cpu_count(),
+        "cpu": cpu_name(), "cpu_count": os.cpu_count(),
         "gpu": _run("nvidia-smi", "--query-gpu=name", "--format=csv,noheader"),
         "host": platform.node(),
     }
