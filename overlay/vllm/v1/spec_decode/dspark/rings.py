@@ -1,12 +1,8 @@
 """Per-request KV rings of the DSpark draft and the host table that assigns them.
 
-Each draft layer keeps, per live request, a ring of the last ``W`` context positions:
-``cache [S+1, W, D]`` and ``cache_pos [S+1, W]`` (position held by each cell, ``EMPTY_POS``
-when none). Row ``S`` is scratch: stores of rejected rows land there and nothing reads it.
-:class:`SlotTable` maps request ids to ring rows on the host, so a request keeps its row
-while vLLM reorders its persistent batch.
-
-Pure torch + stdlib: unit-tested without vLLM.
+Each draft layer keeps a ring of the last ``W`` context positions per live request; row ``S``
+is scratch: stores of rejected rows land there and nothing reads it. Pure torch + stdlib:
+unit-tested without vLLM.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ import torch
 
 __all__ = ["EMPTY_POS", "SlotTable", "SlotTableFullError", "allocate_rings", "clear_slots"]
 
-EMPTY_POS = -1
-"""``cache_pos`` value of a cell that holds no context."""
+EMPTY_POS = -1  # ``cache_pos`` of a cell that holds no context
 
 
 def allocate_rings(
@@ -32,11 +27,8 @@ def allocate_rings(
 
 
 def clear_slots(cache_pos: torch.Tensor, slots: Iterable[int]) -> None:
-    """Mark ring rows empty (``cache_pos = -1``) so a reused row exposes no old context.
-
-    ``slots`` are host ints (from :meth:`SlotTable.release`): one fill per freed row,
-    no index tensor to copy to the device.
-    """
+    """Mark ring rows empty so a reused row exposes no old context; ``slots`` are host ints
+    (from :meth:`SlotTable.release`): one fill per row, no index tensor to copy to the device."""
     for slot in slots:
         cache_pos[slot].fill_(EMPTY_POS)
 
@@ -46,13 +38,8 @@ class SlotTableFullError(RuntimeError):
 
 
 class SlotTable:
-    """Stable ring row per request id.
-
-    vLLM reorders and condenses its persistent batch when requests finish, so the batch
-    row of a request changes between steps. Keying the KV ring by request id keeps each
-    request's context with it. New ids get the lowest free row (a lone request stays on
-    row 0). Host-side bookkeeping only: a dict lookup per request id.
-    """
+    """Stable ring row per request id, on the host: vLLM reorders and condenses its persistent
+    batch, so the ring follows the id. New ids get the lowest free row (a lone one: row 0)."""
 
     def __init__(self, num_slots: int) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -67,10 +54,7 @@ class SlotTable:
         return self._slot_of.keys()
 
     def assign(self, req_ids: Sequence[Hashable]) -> list[int]:
-        """Ring row per batch row; known ids keep theirs, new ids get one.
-
-        All-or-nothing: if the new ids do not fit, nothing is assigned.
-        """
+        """Ring row per batch row; known ids keep theirs, new ids get one (all or nothing)."""
         req_ids = list(req_ids)
         if len(set(req_ids)) != len(req_ids):
             raise ValueError("req_ids must be distinct (one batch row per request)")
@@ -86,11 +70,8 @@ class SlotTable:
         return [self._slot_of[r] for r in req_ids]
 
     def release(self, req_ids: Iterable[Hashable]) -> list[int]:
-        """Free the rows of finished requests; returns the freed rows (ids without one skip).
-
-        The caller clears those rows in every ``cache_pos`` (:func:`clear_slots`) so a
-        later owner cannot attend this request's context.
-        """
+        """Free and return the rows of finished requests (ids without one skip); the caller
+        clears them (:func:`clear_slots`) so a later owner cannot attend this context."""
         freed = []
         for req_id in req_ids:
             slot = self._slot_of.pop(req_id, None)

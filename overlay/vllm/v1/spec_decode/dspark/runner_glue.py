@@ -1,15 +1,6 @@
-"""V1 runner glue for DSpark: the runner's step state -> ``DSparkProposer.propose``.
-
-``before_step`` runs from the overlay's patch of ``GPUModelRunner._update_states`` on every
-step, scheduled or not: it frees the ring rows of requests that left and publishes the
-metrics; on the first step, it also gets adaptive verification its step-time table. ``propose_from_runner`` runs from the patch of ``propose_draft_token_ids`` right
-after rejection sampling. ``with_draft_budgets`` wraps the async scheduler's step output
-so adaptive verification's per-request budgets reach the scheduler with the sampled tokens.
-
-Host facts come from the runner's host copies (``query_start_loc_cpu``,
-the scheduler's draft counts, the discard mask, the temperatures, the request states);
-the rejection counts and anchors are computed on the device from the sampled tokens and
-never read back, so the step stays free of device-to-host syncs.
+"""V1 runner glue for DSpark, called from the overlay's runner patch: the only code that
+knows the runner's internals. Host facts come from the runner's host copies; rejection
+counts and anchors are computed on the device from the sampled tokens and never read back.
 """
 
 from __future__ import annotations
@@ -25,18 +16,12 @@ __all__ = ["before_step", "propose_from_runner", "with_draft_budgets"]
 
 
 def before_step(runner: Any, scheduler_output: Any) -> None:
-    """Free the ring rows of every request that left, then publish DSpark's metrics.
-
-    The one place requests leave the proposer: finished and preempted ones as the scheduler
-    reports them, and any the runner no longer holds without a report. It runs on every
-    step because a step with nothing scheduled never reaches the proposer, and an idle
-    server must hold no ring rows.
-    """
+    """Every step, scheduled or not (an idle server must hold no ring rows): get the cost
+    table (once), release every request that left, reported by the scheduler or no longer
+    held by the runner, and publish DSpark's metrics."""
     from vllm.v1.spec_decode.dspark.metrics import publish_dspark_metrics
 
     drafter = runner.drafter
-    # Adaptive verification's step-time table, before the engine's first step runs (read
-    # from its cache file, or measured with the runner's dummy forwards): once per engine.
     drafter.prepare_cost_table(runner)
     departed = set(scheduler_output.finished_req_ids)
     departed |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
@@ -58,18 +43,12 @@ def _sampled_tensor(sampled_token_ids: torch.Tensor | list[list[int]], num_reqs:
 
 
 def propose_from_runner(
-    runner: Any,
-    scheduler_output: Any,
-    sampled_token_ids: torch.Tensor | list[list[int]],
-    sampling_metadata: Any,
-    aux_hidden_states: list[torch.Tensor] | None,
-    spec_decode_metadata: Any,
-    common_attn_metadata: Any,
+    runner: Any, scheduler_output: Any, sampled_token_ids: torch.Tensor | list[list[int]],
+    sampling_metadata: Any, aux_hidden_states: list[torch.Tensor] | None,
+    spec_decode_metadata: Any, common_attn_metadata: Any,
 ) -> torch.Tensor:
-    """Read the step's state off the V1 runner into one ``DSparkStepInput`` and propose.
-
-    ``sampled_token_ids [R, k+1]`` (-1 = rejected). Returns ``[R, k]`` int32 drafts.
-    """
+    """The step's state (``sampled_token_ids [R, k+1]``, -1 = rejected) as one
+    ``DSparkStepInput``, proposed: ``[R, k]`` int32 drafts."""
     drafter = runner.drafter
     if aux_hidden_states is None:
         raise RuntimeError("DSpark needs the target's aux hidden states (runner did not emit them)")
@@ -112,37 +91,25 @@ def propose_from_runner(
     if not sampling_metadata.all_greedy and sampling_metadata.temperature is not None:
         temperature = sampling_metadata.temperature[:num_reqs]
         temperature_cpu = batch.temperature_cpu[:num_reqs]
-    # The runner's numpy view of the host query_start_loc (the memory
-    # common_attn_metadata.query_start_loc_cpu views): read without a conversion.
-    query_start_loc = runner.query_start_loc.np[: num_reqs + 1]
-    aux = torch.cat([h[:num_rows] for h in aux_hidden_states], dim=-1)
+    seeds = None
+    if drafter.probabilistic or drafter.adaptive:
+        seeds = [runner.requests[rid].sampling_params.seed for rid in req_ids]
+    # The runner's numpy view of query_start_loc_cpu: read without a conversion.
     step = DSparkStepInput(
-        req_ids=req_ids,
-        query_start_loc_cpu=query_start_loc,
-        num_draft_tokens=num_drafts,
-        prefilling=discard_np,
+        req_ids=req_ids, query_start_loc_cpu=runner.query_start_loc.np[: num_reqs + 1],
+        num_draft_tokens=num_drafts, prefilling=discard_np,
         positions=runner._get_positions(num_rows),
-        aux_hidden_states=aux,
-        num_rejected=num_rejected,
-        next_token_ids=anchors,
-        temperature=temperature,
-        temperature_cpu=temperature_cpu,
-        request_seeds=(
-            [runner.requests[rid].sampling_params.seed for rid in req_ids]
-            if drafter.probabilistic or drafter.adaptive
-            else None
-        ),
+        aux_hidden_states=torch.cat([h[:num_rows] for h in aux_hidden_states], dim=-1),
+        num_rejected=num_rejected, next_token_ids=anchors, temperature=temperature,
+        temperature_cpu=temperature_cpu, request_seeds=seeds,
     )
     return drafter.propose(step)
 
 
 class _OutputWithDraftBudgets(AsyncModelRunnerOutput):
-    """An async step output that also carries adaptive verification's draft budgets.
-
-    The budgets' device-to-host copy is queued next to the sampled tokens' and read in
-    ``get_output``, which the engine calls off the step's critical path once the tokens'
-    copy is waited for anyway: the step itself never waits for it.
-    """
+    """An async step output that also carries adaptive verification's draft budgets: their
+    copy is queued next to the sampled tokens' and read in ``get_output``, off the step's
+    critical path, so the step never waits for it."""
 
     def __init__(self, inner: AsyncModelRunnerOutput, budgets: torch.Tensor) -> None:
         self._inner = inner
@@ -153,8 +120,7 @@ class _OutputWithDraftBudgets(AsyncModelRunnerOutput):
             self._copied.record()
 
     def __getattr__(self, name: str) -> Any:
-        # The runner reads the inner's attributes before wrapping; anything reading them
-        # later (sampled_token_ids_cpu, ...) still gets the inner's.
+        # Later readers (sampled_token_ids_cpu, ...) still get the inner's attributes.
         return getattr(self._inner, name)
 
     def get_output(self):

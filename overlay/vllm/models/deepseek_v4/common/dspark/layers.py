@@ -1,17 +1,11 @@
 """The DSpark draft's building blocks: RoPE tables, FP8 round trip, norms, attention, layer.
-
-One DeepSeek-V4 draft layer is hyper-connection mixing (mHC) around a latent attention and
-the platform's MoE. The attention reads a request's ring context (``vllm.v1.spec_decode.dspark.rings``) plus
-the whole block, non-causally, with a per-head sink; q gets a weightless RMSNorm and RoPE
-on its last 64 dims, the output is de-rotated and projected by the grouped ``wo_a`` then
-``wo_b``. Every piece here runs once per layer per step, so each is written for few tensor
-ops (the step is graph-capturable on a GPU and eager on CPU); the model around them, its
-weight loading and its heads are in ``model.py``.
-"""
+Each runs once per layer per step, so each is written for few tensor ops (graph-capturable on a
+GPU, eager on CPU); the model, its weights and heads are in ``model.py``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -37,20 +31,10 @@ __all__ = [
 
 @dataclass
 class RopeTables:
-    """GPT-J RoPE at some positions as pair tables over a whole head, for one pass.
-
-    For positions of shape ``P``: ``cos`` fp32 ``[*P, 1, D/2, 1]`` (one entry per dim
-    pair, broadcast over heads) and ``sin3`` ``[*P, 1, D/2, 3]`` = ``(-s, s, -s)``:
-    ``[..., :2]`` is the signed sin ``(-s, s)`` and ``[..., 1:]`` its inverse ``(s, -s)``,
-    so that a pair ``(x0, x1)`` becomes ``(x0 c - x1 s, x1 c + x0 s)``. The non-RoPE
-    pairs (the first ``D - rope_dim`` dims) have ``c = 1, s = 0`` and pass through
-    unchanged, so one multiply-add covers the head without slicing. Every draft layer
-    shares one rotary (same config), so a block (or a context chunk) looks its tables up
-    once and q, kv and the output de-rotation of all layers reuse them; each direction's
-    view is taken on first use (context KV is never de-rotated). Same arithmetic as
-    upstream's ``forward_native`` (fp32 products and sum), equal bit for bit on finite
-    inputs.
-    """
+    """GPT-J RoPE pair tables over a whole head at positions ``P``, shared by every layer's q, kv
+    and de-rotation: ``cos`` fp32 ``[*P, 1, D/2, 1]``, ``sin3`` = ``(-s, s, -s)`` (``[..., :2]``
+    the signed sin, ``[..., 1:]`` its inverse). Non-RoPE pairs have ``c = 1, s = 0``, so one
+    multiply-add covers the head; upstream's ``forward_native`` bit for bit on finite inputs."""
 
     cos: torch.Tensor
     sin3: torch.Tensor
@@ -59,11 +43,8 @@ class RopeTables:
     def rotate(
         self, x: torch.Tensor, inverse: bool = False, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """``x [*P, heads, D]`` rotated (``inverse``: de-rotated, i.e. ``-s``).
-
-        The result is in ``out_dtype`` (default: x's dtype); fp32 skips the final cast
-        for a caller that goes on in fp32.
-        """
+        """``x [*P, heads, D]`` rotated (``inverse``: de-rotated), in ``out_dtype`` (default x's;
+        fp32 skips the final cast for a caller that goes on in fp32)."""
         if inverse not in self._signed:
             self._signed[inverse] = self.sin3[..., 1:] if inverse else self.sin3[..., :2]
         pairs = x.unflatten(-1, (-1, 2))
@@ -74,15 +55,9 @@ class RopeTables:
 
 
 class DraftRope(nn.Module):
-    """The draft's RoPE pair tables at every position it serves, built once at load.
-
-    Rows are taken from the rotary's fp32 ``cos_sin_cache`` (upstream's values) for
-    positions ``[0, num_positions)``: the model's ``max_model_len`` (context positions
-    stay below it, block positions are clamped to it), not the rotary's full range.
-    Only the ``rope_dim / 2`` rotating pairs are stored (512 bytes per position); a
-    lookup pads the pass-through pairs, six ops per pass instead of building the tables
-    from the cache every time.
-    """
+    """The draft's RoPE pair tables, built once at load from the rotary's fp32 ``cos_sin_cache``
+    for positions below ``max_model_len`` (block positions are clamped to it). Only the rotating
+    pairs are stored; a lookup pads the pass-through ones: six ops per pass."""
 
     def __init__(self, rotary_emb: nn.Module, head_dim: int, num_positions: int) -> None:
         super().__init__()
@@ -91,7 +66,6 @@ class DraftRope(nn.Module):
         self.num_positions = cos_sin.shape[0]
         self.pass_pairs = (head_dim - rotary_emb.rotary_dim) // 2
         self.register_buffer("cos", cos[:, None, :, None].contiguous(), persistent=False)
-        # (-s, s, -s): [..., :2] is the signed sin, [..., 1:] its inverse.
         sin3 = torch.stack((-sin, sin, -sin), dim=-1)[:, None].contiguous()
         self.register_buffer("sin3", sin3, persistent=False)
 
@@ -104,11 +78,8 @@ class DraftRope(nn.Module):
 
 
 def block_key_bias(window_mask: torch.Tensor, block_len: int) -> torch.Tensor:
-    """fp32 ``[R, 1, 1, W+N]`` added to every block query's scores, built once per pass.
-
-    Keys are the W ring cells (``window_mask [R, W]`` True where valid: 0, else -inf)
-    then the N block rows, which every block query attends (non-causal: 0).
-    """
+    """fp32 ``[R, 1, 1, W+N]`` added to every block query's scores: 0 for the valid ring cells
+    (``window_mask [R, W]``) and the N block rows (non-causal), -inf for the other cells."""
     bias = torch.where(window_mask, 0.0, float("-inf"))
     bias = torch.nn.functional.pad(bias, (0, block_len), value=0.0)
     return bias.view(window_mask.shape[0], 1, 1, -1)
@@ -121,25 +92,16 @@ def _nope_blocks(num_blocks: int, nope_blocks: int, device: torch.device) -> tor
     """``[num_blocks, 1]`` bool, True for the FP8 blocks; one constant per device."""
     key = (num_blocks, nope_blocks, device)
     if key not in _NOPE_BLOCK_MASKS:
-        mask = torch.arange(num_blocks, device=device)[:, None] < nope_blocks
-        _NOPE_BLOCK_MASKS[key] = mask
+        _NOPE_BLOCK_MASKS[key] = torch.arange(num_blocks, device=device)[:, None] < nope_blocks
     return _NOPE_BLOCK_MASKS[key]
 
 
 def fp8_nope_roundtrip(
     kv: torch.Tensor, rope_dim: int, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Quantise-dequantise the non-RoPE dims the way the fp8_ds_mla KV cache stores them.
-
-    The target (and upstream's draft) keep the first ``head_dim - rope_dim`` dims of the
-    latent KV as FP8 e4m3 with one power-of-two (UE8M0) scale per 64 dims and the RoPE
-    dims in bf16. Applying the same round trip to the private draft ring keeps the
-    draft's attention inputs equal to what it was trained against. ``kv`` may be fp32
-    (straight from RoPE): the FP8 dims are computed from it, the result (RoPE dims
-    included) is rounded once to ``out_dtype`` (default: kv's dtype). The whole head is
-    cut into 64-dim blocks and the RoPE blocks are taken back unchanged, which costs one
-    select instead of a slice and a concatenation.
-    """
+    """Quantise-dequantise the non-RoPE dims as the fp8_ds_mla KV cache stores them (FP8 e4m3,
+    one UE8M0 scale per 64 dims), so the ring feeds the draft what it was trained on; an fp32
+    ``kv`` is rounded once, to ``out_dtype`` (default kv's). RoPE blocks come back by one select."""
     out_dtype = kv.dtype if out_dtype is None else out_dtype
     dim = kv.shape[-1]
     nope = dim - rope_dim
@@ -152,24 +114,15 @@ def fp8_nope_roundtrip(
 
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm over the last dim: fp32 statistics, result in x's dtype.
-
-    torch's single ``rms_norm`` op computes ``x * rsqrt(mean(x^2) + eps)`` in fp32 for a
-    bf16 input and casts back, the arithmetic of vLLM's eager ``rms_norm`` in one op
-    instead of seven.
-    """
+    """Weightless RMSNorm over the last dim (fp32 statistics, result in x's dtype): vLLM's eager
+    ``rms_norm`` arithmetic in one torch op instead of seven."""
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 class DraftRMSNorm(RMSNorm):
-    """vLLM's RMSNorm with a one-op eager path for the draft, which runs every step.
-
-    Where vLLM dispatches to its fused kernel nothing changes. Its eager path
-    (``forward_native``: CPU, or a GPU without the custom op) is nine tensor ops;
-    torch's ``rms_norm`` with the weight is one. It applies the weight in fp32 and
-    rounds once, where vLLM's eager path rounds the normalised x to x's dtype first:
-    results agree to one rounding step of x's dtype (tested).
-    """
+    """vLLM's RMSNorm with a one-op ``forward_native`` (nine ops upstream). It applies the weight
+    in fp32 and rounds once, where vLLM rounds the normalised x first: results agree to one
+    rounding step of x's dtype (tested)."""
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -180,18 +133,12 @@ class DraftRMSNorm(RMSNorm):
             return unit_rms_norm(x, self.variance_epsilon)
         if self.weight.dtype != x.dtype:
             return super().forward_native(x, residual)
-        return torch.nn.functional.rms_norm(
-            x, (x.shape[-1],), self.weight, self.variance_epsilon
-        )
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
 
 
 def _dense_weight(layer: nn.Module) -> torch.Tensor:
-    """A linear layer's weight as a float32 [out, in] matrix, its FP8 scales applied.
-
-    Block-FP8 scales cover ``layer.weight_block_size`` blocks (the last row/column of
-    blocks may be partial); the block is read from the layer, never inferred from the
-    shapes, which would be wrong whenever a dimension is not a multiple of the block.
-    """
+    """A linear layer's weight as fp32 ``[out, in]``, FP8 scales applied; the block size is read
+    from the layer, as shapes that are not multiples of it leave partial edge blocks."""
     weight = layer.weight.float()
     scale = getattr(layer, "weight_scale_inv", None)
     if scale is None:
@@ -226,11 +173,8 @@ def _make_moe(vllm_config: VllmConfig, prefix: str) -> nn.Module:
 def stacked_projection(
     n_in: int, sizes: list[int], quant_config, prefix: str
 ) -> MergedColumnParallelLinear:
-    """Replicated projections of the same rows as one GEMM, each loaded as a shard.
-
-    Not split across TP ranks (every rank runs the whole draft); the checkpoint's separate
-    weights (and their block-FP8 scales) load into their shard with vLLM's loader.
-    """
+    """Projections of the same rows as one GEMM, each loaded as a shard by vLLM's loader;
+    replicated, as every TP rank runs the whole draft."""
     return MergedColumnParallelLinear(
         n_in,
         sizes,
@@ -243,41 +187,32 @@ def stacked_projection(
 
 
 class DSparkDraftAttention(nn.Module):
-    """DeepSeek-V4 latent attention of one draft layer over ring context + block."""
+    """DeepSeek-V4 latent attention of one draft layer over ring context + block (non-causal,
+    per-head sink; q gets a weightless RMSNorm, the output is de-rotated, then grouped wo_a)."""
 
     def __init__(self, shape: DSparkDraftShape, quant_config, prefix: str) -> None:
         super().__init__()
-        s = shape
-        self.shape = s
+        self.shape = s = shape
         self.scale = s.head_dim**-0.5
-
-        def linear(n_in: int, n_out: int, name: str) -> ReplicatedLinear:
-            return ReplicatedLinear(
-                n_in,
-                n_out,
-                bias=False,
-                return_bias=False,
-                quant_config=quant_config,
-                prefix=f"{prefix}.{name}",
-            )
-
+        linear = partial(ReplicatedLinear, bias=False, return_bias=False, quant_config=quant_config)
         # wq_a and wkv read the same rows: one GEMM, as upstream's ``fused_wqa_wkv``.
         self.fused_wqa_wkv = stacked_projection(
             s.hidden_size, [s.q_lora_rank, s.head_dim], quant_config, f"{prefix}.fused_wqa_wkv"
         )
         self.q_norm = DraftRMSNorm(s.q_lora_rank, eps=s.rms_eps)
-        self.wq_b = linear(s.q_lora_rank, s.num_heads * s.head_dim, "wq_b")
+        self.wq_b = linear(s.q_lora_rank, s.num_heads * s.head_dim, prefix=f"{prefix}.wq_b")
         self.kv_norm = DraftRMSNorm(s.head_dim, eps=s.rms_eps)
         self.heads_per_group = s.num_heads // s.o_groups
-        self.wo_a = linear(self.heads_per_group * s.head_dim, s.o_groups * s.o_lora_rank, "wo_a")
-        self.wo_b = linear(s.o_groups * s.o_lora_rank, s.hidden_size, "wo_b")
+        self.wo_a = linear(
+            self.heads_per_group * s.head_dim, s.o_groups * s.o_lora_rank, prefix=f"{prefix}.wo_a"
+        )
+        self.wo_b = linear(s.o_groups * s.o_lora_rank, s.hidden_size, prefix=f"{prefix}.wo_b")
         # Stored [1, 1, heads, 1], the shape it joins the scores in (loaded from [heads]).
         self.attn_sink = nn.Parameter(
             torch.zeros(1, 1, s.num_heads, 1, dtype=torch.float32), requires_grad=False
         )
-        # wo_a is applied per group ([G, o_lora, heads_per_group * head_dim]); the
-        # dense copy is taken when weights are processed, before a platform GEMM
-        # method may repack (and free) the linear's own weight.
+        # wo_a runs per group ([G, o_lora, heads_per_group * head_dim]) from a dense copy taken
+        # before a platform GEMM method may repack (and free) the linear's own weight.
         self._wo_a_grouped: torch.Tensor | None = None
         quant_method = self.wo_a.quant_method
         original = quant_method.process_weights_after_loading
@@ -290,29 +225,17 @@ class DSparkDraftAttention(nn.Module):
 
     def set_wo_a_grouped(self, weight: torch.Tensor) -> None:
         s = self.shape
-        self._wo_a_grouped = (
-            weight.reshape(s.o_groups, s.o_lora_rank, self.heads_per_group * s.head_dim)
-            .to(self.wq_b_dtype())
-            .contiguous()
-        )
+        weight = weight.reshape(s.o_groups, s.o_lora_rank, self.heads_per_group * s.head_dim)
+        self._wo_a_grouped = weight.to(self.wq_b_dtype()).contiguous()
 
     def wq_b_dtype(self) -> torch.dtype:
         return self.q_norm.weight.dtype
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: RopeTables,
-        ctx_kv: torch.Tensor,
-        key_bias: torch.Tensor,
+        self, x: torch.Tensor, rope: RopeTables, ctx_kv: torch.Tensor, key_bias: torch.Tensor
     ) -> torch.Tensor:
-        """``x [R*N, H]`` block rows (request-major) -> attention output ``[R*N, H]``.
-
-        ``rope`` holds the block's RoPE tables at positions ``[R, N]``, ``ctx_kv [R, W,
-        D]`` the gathered ring rows, ``key_bias [R, 1, 1, W+N]`` (``block_key_bias``) 0 for
-        the keys a request's queries attend, -inf for its context cells outside the valid
-        window (the N block keys are always attended).
-        """
+        """``x [R*N, H]`` block rows (request-major) -> ``[R*N, H]``; ``rope`` at ``[R, N]``,
+        ``ctx_kv [R, W, D]`` the gathered ring rows, ``key_bias`` from ``block_key_bias``."""
         s = self.shape
         rows = x.shape[0]
         num_requests, n = rope.cos.shape[:2]
@@ -348,8 +271,7 @@ class DSparkDraftLayer(nn.Module):
         super().__init__()
         from vllm.model_executor.layers.mhc import MHCPostOp, MHCPreOp
 
-        s = shape
-        self.shape = s
+        self.shape = s = shape
         self.attn = DSparkDraftAttention(s, vllm_config.quant_config, f"{prefix}.attn")
         self.ffn = _make_moe(vllm_config, f"{prefix}.ffn")
         self.attn_norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
@@ -357,24 +279,15 @@ class DSparkDraftLayer(nn.Module):
         mix = (2 + s.hc_mult) * s.hc_mult
         width = s.hc_mult * s.hidden_size
         for kind in ("attn", "ffn"):
-            self.register_parameter(
-                f"hc_{kind}_fn",
-                nn.Parameter(torch.empty(mix, width, dtype=torch.float32), requires_grad=False),
-            )
-            self.register_parameter(
-                f"hc_{kind}_base",
-                nn.Parameter(torch.empty(mix, dtype=torch.float32), requires_grad=False),
-            )
-            self.register_parameter(
-                f"hc_{kind}_scale",
-                nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False),
-            )
+            for name, size in (("fn", (mix, width)), ("base", (mix,)), ("scale", (3,))):
+                param = nn.Parameter(torch.empty(size, dtype=torch.float32), requires_grad=False)
+                self.register_parameter(f"hc_{kind}_{name}", param)
         self.mhc_pre = MHCPreOp()
         self.mhc_post = MHCPostOp()
 
     def _mix(self, x: torch.Tensor, kind: str):
         s = self.shape
-        post, comb, layer_input = self.mhc_pre(
+        return self.mhc_pre(
             residual=x,
             fn=getattr(self, f"hc_{kind}_fn"),
             hc_scale=getattr(self, f"hc_{kind}_scale"),
@@ -385,7 +298,6 @@ class DSparkDraftLayer(nn.Module):
             hc_post_mult_value=2.0,
             sinkhorn_repeat=s.hc_sinkhorn_iters,
         )
-        return layer_input, post, comb
 
     def forward(
         self,
@@ -396,9 +308,9 @@ class DSparkDraftLayer(nn.Module):
         key_bias: torch.Tensor,
     ) -> torch.Tensor:
         """``x [R*N, hc, H]`` -> ``[R*N, hc, H]``."""
-        h, post, comb = self._mix(x, "attn")
+        post, comb, h = self._mix(x, "attn")
         h = self.attn(self.attn_norm(h), rope, ctx_kv, key_bias)
         x = self.mhc_post(h, x, post, comb)
-        h, post, comb = self._mix(x, "ffn")
+        post, comb, h = self._mix(x, "ffn")
         h = self.ffn(self.ffn_norm(h), input_ids)
         return self.mhc_post(h, x, post, comb)

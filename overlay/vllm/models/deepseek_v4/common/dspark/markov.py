@@ -1,22 +1,9 @@
-"""DSpark sequential stage: Markov-head sampling over one drafted block.
+"""DSpark sequential stage: Markov-head sampling over one drafted block (pure torch, no vLLM).
 
-The draft backbone produces base logits ``U [R, N, V]`` for a whole block in one pass.
-The Markov head then walks the block left to right; slot ``k`` gets a transition bias
-from the token chosen at slot ``k - 1`` (the anchor for ``k = 0``)::
-
-    prev = anchor
-    for k in 0..N-1:
-        e_k = W1[prev]                # [R, r]
-        z_k = U[:, k] + W2 e_k        # [R, V]
-        x_k = argmax(z_k)             # greedy rows
-            | sample(softmax(z_k / T))  # rows with temperature T > 0
-        prev = x_k
-
-``q_k = softmax(z_k / T)`` is what the rejection sampler needs for probabilistic
-drafting (one-hot of ``x_k`` for greedy rows). ``e_k`` is kept because the confidence
-head reads ``[h_k ; e_k]``.
-
-Pure torch, no vLLM import: the same code runs on CPU and GPU and is unit-tested alone.
+Left to right over the backbone's block logits ``U [R, N, V]``, from ``x_{-1}`` = the anchor:
+``e_k = W1[x_{k-1}]``, ``z_k = U[:, k] + W2 e_k``, ``x_k = argmax(z_k)``, or for rows with
+``T > 0`` a draw from ``q_k = softmax(z_k / T)``. The rejection sampler reads ``q_k`` (one-hot
+for greedy rows), the confidence head ``[h_k ; e_k]``.
 """
 
 from __future__ import annotations
@@ -53,22 +40,10 @@ def markov_block_sample(
     race_noise: torch.Tensor | None = None,
     return_probs: bool = False,
 ) -> MarkovDraft:
-    """Sample one block left to right with the Markov transition bias.
-
-    Args:
-        base_logits: ``[R, N, V]`` backbone logits for the N block slots.
-        anchor: ``[R]`` token that conditions slot 0 (the bonus / anchor token).
-        embed: ``ids [R] -> e [R, r]`` (the Markov ``W1`` lookup).
-        bias: ``e [R, r] -> [R, V]`` (the Markov ``W2`` projection).
-        temperature: ``[R]`` per-request temperature; rows with ``T <= 0`` (or
-            ``temperature=None`` for all rows) are greedy.
-        race_noise: ``[R, N, V]`` float32 ``Exp(1)`` draws, required with ``temperature``.
-            Sampling uses the exponential race ``argmax(q / E)``, ``E ~ Exp(1)``, which
-            draws exactly from ``q``. The noise is an input, not drawn here, so the block
-            holds no RNG state and a graph-captured block gets fresh noise every step (the
-            proposer keys it per request seed and position, ``noise``).
-        return_probs: also return ``q_k`` (float32 ``[R, N, V]``).
-    """
+    """Sample one block left to right (``embed``: the ``W1`` lookup, ``bias``: the ``W2`` GEMM).
+    Rows with ``temperature <= 0`` (all, when None) are greedy; the others take the exact race
+    ``argmax(q / E)`` over ``race_noise`` (float32 ``Exp(1)``, required with ``temperature``), an
+    input, so the block holds no RNG state and a captured graph gets fresh noise each step."""
     # fp32 once for the whole block, one view per slot; the loop keeps only the work slot k
     # depends on (``base[k] + bias`` adds in fp32: the bias is promoted exactly).
     base = base_logits.float().unbind(1)

@@ -1,34 +1,15 @@
-"""DSpark draft model for DeepSeek-V4, device-agnostic (CPU and GPU run this code).
+"""DSpark draft model for DeepSeek-V4 (the checkpoint's ``mtp.{j}.*`` weights), CPU and GPU.
 
-The draft weights ship inside the target checkpoint under ``mtp.{j}.*``. Per step:
-
-1. ``combine_hidden_states``: ``main_x = main_norm(main_proj(concat(aux)))`` for every
-   target row, ``aux`` = the target's hidden states at ``dspark_target_layer_ids``.
-2. ``context_kv``: every draft layer projects the same ``main_x`` into its latent KV,
-   ``RoPE_last64(kv_norm(wkv(main_x)))`` at the row's absolute position -> ``[T, K, 512]``.
-   The proposer stores the accepted rows in per-request rings (``vllm.v1.spec_decode.dspark.rings``).
-3. ``forward``: one backbone pass over the block ``[anchor, noise x (N-1)]`` at positions
-   ``p .. p+N-1`` of every request. Each layer is a DeepSeek-V4 layer: hyper-connection
-   mixing (mHC) around attention and MoE. Attention queries see the request's valid
-   context window (``window_mask``) plus the whole block, non-causally, with a per-head
-   attention sink; q has a weightless per-head RMSNorm and RoPE on its last 64 dims; the
-   output is de-rotated and projected by the grouped ``wo_a`` then ``wo_b``.
-   ``hc_head`` reduces the hc streams -> pre-norm head hidden ``[R, N, H]``.
-4. ``compute_logits`` = shared target LM head over ``norm(h)``; the Markov head and the
-   confidence head run on top (``markov``).
-
-Built from vLLM's layers (``ReplicatedLinear``, ``RMSNorm``, mHC custom ops, the
-platform's DeepSeek-V4 MoE, ``DSparkMarkovHead`` / ``DSparkConfidenceHead``) so the same
-code loads bf16 weights on CPU and FP8 checkpoints where vLLM's quant config applies.
-The attention itself is plain torch over a private per-request ring, not vLLM's paged
-KV cache: the CPU sparse-MLA kernel reads only the paged fp8_ds_mla layout, and the
-draft's KV is keyed by request id (see ``vllm/v1/spec_decode/dspark/proposer.py``).
+Built from vLLM's layers so FP8 checkpoints load with its quant config; the attention is plain
+torch over a private ring keyed by request id (the CPU sparse-MLA kernel reads only the paged
+layout). The step it serves (ingest, block pass, Markov head) is in overlay/README.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import regex as re
 import torch
@@ -38,10 +19,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.qwen3_dspark import (
-    DSparkConfidenceHead,
-    DSparkMarkovHead,
-)
+from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.models.deepseek_v4.common.dspark.config import (
     DSparkDraftShape,
@@ -74,14 +52,9 @@ __all__ = [
 
 
 def pad_to_tp_shards(tensor: torch.Tensor, dim: int, local_size: int, tp_size: int) -> torch.Tensor:
-    """Zero-pad ``tensor`` along ``dim`` to ``local_size * tp_size`` rows.
-
-    Block-FP8 shared experts split their intermediate axis in whole 128-blocks: when the
-    block count does not divide by TP, vLLM's DeepSeek-V4 MLP rounds each rank's share up
-    and the trailing rank holds zeros (upstream ``_pad_shared_expert_weight``). The
-    checkpoint tensor (weight, or its per-block scale) is padded to what the parameter
-    expects so the standard TP loaders slice it evenly.
-    """
+    """Zero-pad ``tensor`` along ``dim`` to ``local_size * tp_size`` rows (upstream's
+    ``_pad_shared_expert_weight``): block-FP8 shared experts split in whole 128-blocks, so TP
+    shares round up and the standard loaders slice the padded tensor evenly."""
     full = local_size * tp_size
     have = tensor.shape[dim]
     if have > full:
@@ -98,12 +71,8 @@ def pad_to_tp_shards(tensor: torch.Tensor, dim: int, local_size: int, tp_size: i
 
 @dataclass
 class DraftContext:
-    """What the block attention reads besides the block itself.
-
-    ``caches[j]`` is layer j's ring ``[S, W, D]``; request r reads ring row
-    ``slots[r]``; ``mask [R, W]`` (from ``vllm.v1.spec_decode.dspark.context_store.window_mask``) says which cells
-    hold context the block may attend.
-    """
+    """What the block attention reads besides the block: layer j's ring ``caches[j] [S, W, D]``,
+    request r's ring row ``slots[r]`` and ``mask [R, W]`` (``window_mask``), the cells to attend."""
 
     caches: Sequence[torch.Tensor]
     slots: torch.Tensor
@@ -120,10 +89,7 @@ _FUSED_EXPERT_PARAM = re.compile(
 
 class DSparkDeepseekV4Draft(nn.Module):
     """The whole draft: projection, K decoder layers, head stack, Markov/confidence heads.
-
-    ``embed_tokens`` and ``lm_head`` are the target's (``share_target_heads``); the
-    draft checkpoint has none of its own.
-    """
+    ``embed_tokens`` and ``lm_head`` are the target's (``share_target_heads``)."""
 
     has_own_embed_tokens = False
     has_own_lm_head = False
@@ -132,14 +98,12 @@ class DSparkDeepseekV4Draft(nn.Module):
         super().__init__()
         from vllm.model_executor.layers.mhc import HCHeadOp
 
-        hf = draft_hf_config(vllm_config)
-        self.config = hf
-        s = DSparkDraftShape.from_hf_config(hf)
+        self.config = hf = draft_hf_config(vllm_config)
+        self.shape = s = DSparkDraftShape.from_hf_config(hf)
         refuse_native_mega_moe(vllm_config)
         self.num_redundant_experts = int(
             vllm_config.parallel_config.eplb_config.num_redundant_experts
         )
-        self.shape = s
         quant_config = vllm_config.quant_config
         base = maybe_prefix(prefix, "model")
         self.main_proj = ReplicatedLinear(
@@ -151,8 +115,7 @@ class DSparkDeepseekV4Draft(nn.Module):
             prefix=f"{base}.main_proj",
         )
         self.main_norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
-        # Pure sliding-window layers use plain RoPE (no YaRN) on the last rope_dim dims;
-        # every draft layer has the same one, so the draft holds it once (RopeTables).
+        # Plain RoPE (pure sliding-window layers: no YaRN), the same for every layer.
         self.rotary_emb = build_deepseek_v4_rope(
             hf,
             head_dim=s.head_dim,
@@ -168,23 +131,16 @@ class DSparkDeepseekV4Draft(nn.Module):
             DSparkDraftLayer(vllm_config, s, prefix=f"{base}.layers.{s.num_target_layers + j}")
             for j in range(s.num_draft_layers)
         )
-        # Every layer's wkv stacked for the context rows: one GEMM (upstream's
-        # ``context_wkv_proj``; loaded from each layer's ``attn.wkv``).
+        # Every layer's wkv as one GEMM over the context rows (loaded from each ``attn.wkv``).
+        sizes = [s.head_dim] * s.num_draft_layers
         self.context_wkv_proj = stacked_projection(
-            s.hidden_size,
-            [s.head_dim] * s.num_draft_layers,
-            quant_config,
-            f"{base}.context_wkv_proj",
+            s.hidden_size, sizes, quant_config, f"{base}.context_wkv_proj"
         )
         self.norm = DraftRMSNorm(s.hidden_size, eps=s.rms_eps)
         width = s.hc_mult * s.hidden_size
-        self.hc_head_fn = nn.Parameter(
-            torch.empty(s.hc_mult, width, dtype=torch.float32), requires_grad=False
-        )
-        self.hc_head_base = nn.Parameter(
-            torch.empty(s.hc_mult, dtype=torch.float32), requires_grad=False
-        )
-        self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+        for name, size in (("fn", (s.hc_mult, width)), ("base", (s.hc_mult,)), ("scale", (1,))):
+            param = nn.Parameter(torch.empty(size, dtype=torch.float32), requires_grad=False)
+            self.register_parameter(f"hc_head_{name}", param)
         self.hc_head = HCHeadOp()
         self.markov_head = DSparkMarkovHead(
             s.vocab_size, s.vocab_size, s.markov_rank, prefix=f"{base}.markov_head"
@@ -198,14 +154,10 @@ class DSparkDeepseekV4Draft(nn.Module):
         self.embed_tokens: nn.Module | None = None
         self.lm_head: nn.Module | None = None
 
-    # --- shared target pieces ------------------------------------------------
-
     def share_target_heads(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         """Alias the target's token embedding and LM head (frozen, shared)."""
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
-
-    # --- hooks used by the proposer ------------------------------------------
 
     def combine_hidden_states(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """``[T, m*H]`` concatenated target aux hidden states -> ``main_x [T, H]``."""
@@ -217,24 +169,16 @@ class DSparkDeepseekV4Draft(nn.Module):
         if main_x.shape[0] == 0:
             return main_x.new_empty((0, len(self.layers), s.head_dim))
         per_layer = self.context_wkv_proj(main_x).view(-1, len(self.layers), s.head_dim)
-        kv = torch.stack(
-            [layer.attn.kv_norm(kv) for layer, kv in zip(self.layers, per_layer.unbind(1), strict=True)],
-            dim=1,
-        )
+        layer_kv = zip(self.layers, per_layer.unbind(1), strict=True)
+        kv = torch.stack([layer.attn.kv_norm(kv) for layer, kv in layer_kv], dim=1)
         kv = self.rope.at(positions).rotate(kv, out_dtype=torch.float32)
         return fp8_nope_roundtrip(kv, s.rope_dim, out_dtype=main_x.dtype)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        context: DraftContext,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: DraftContext
     ) -> torch.Tensor:
-        """Block pass. ``input_ids``/``positions`` ``[R, N]`` -> head hidden ``[R, N, H]``.
-
-        Returns the pre-norm ``hc_head`` output (what the confidence head reads);
-        ``compute_logits`` applies ``norm`` and the LM head.
-        """
+        """Block pass: ``input_ids``/``positions`` ``[R, N]`` -> the pre-norm ``hc_head`` output
+        ``[R, N, H]`` the confidence head reads (``compute_logits`` applies ``norm``)."""
         if self.embed_tokens is None:
             raise RuntimeError("share_target_heads() must be called before forward()")
         num_requests, n = input_ids.shape
@@ -247,12 +191,10 @@ class DSparkDeepseekV4Draft(nn.Module):
         flat_ids = input_ids.reshape(-1)
         rope = self.rope.at(positions)
         key_bias = block_key_bias(context.mask, n)
-        x = self.embed_tokens(flat_ids)
-        x = x.unsqueeze(1).repeat(1, s.hc_mult, 1)
+        x = self.embed_tokens(flat_ids).unsqueeze(1).repeat(1, s.hc_mult, 1)
         slots = context.slots if context.slots.dtype == torch.int64 else context.slots.long()
         for layer, cache in zip(self.layers, context.caches, strict=True):
-            ctx_kv = cache.index_select(0, slots)
-            x = layer(x, rope, flat_ids, ctx_kv, key_bias)
+            x = layer(x, rope, flat_ids, cache.index_select(0, slots), key_bias)
         h = self.hc_head(
             x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, s.rms_eps, s.hc_eps
         )
@@ -272,13 +214,8 @@ class DSparkDeepseekV4Draft(nn.Module):
         return self.markov_head.embed(token_ids)
 
     def markov_bias(self, markov_embed: torch.Tensor) -> torch.Tensor:
-        """``W2 e`` ``[B, V]``: one GEMM on the Markov head's weight.
-
-        The head is built unquantized and replicated (as upstream), its weight a plain
-        ``[V, r]`` matrix (rows past V pad the vocabulary). Upstream sends it through the
-        logits processor, which adds nothing here but a slice; this runs four times per
-        block, so it is the GEMM alone.
-        """
+        """``W2 e`` ``[B, V]`` as one GEMM on the head's plain ``[V (+pad), r]`` weight: upstream's
+        route through the logits processor only adds a slice, and this runs once per slot."""
         weight = self.markov_head.markov_w2.weight
         vocab = self.shape.vocab_size
         if weight.shape[0] != vocab:
@@ -298,21 +235,13 @@ class DSparkDeepseekV4Draft(nn.Module):
         )
         return torch.sigmoid(logit).view(*lead)
 
-    # --- weights -------------------------------------------------------------
-
     def _map_name(self, name: str) -> str | None:
-        """Checkpoint ``mtp.{j}.*`` name -> parameter name here (None: not the draft's).
-
-        As upstream: the name is mapped first, then every block-FP8 ``.scale`` becomes
-        ``.weight_scale_inv`` (``.weight_scale`` for MXFP4 routed experts), head-stack
-        weights included (``mtp.0.main_proj.scale`` -> ``main_proj.weight_scale_inv``).
-        """
+        """Checkpoint ``mtp.{j}.*`` name -> parameter name here (None: not the draft's); as
+        upstream, ``.scale`` -> ``.weight_scale_inv`` (``.weight_scale``: MXFP4 routed experts)."""
         m = _STAGE.match(name)
-        if m is None:
+        if m is None or int(m.group(1)) >= len(self.layers):
             return None
         stage, rest = int(m.group(1)), m.group(2)
-        if stage >= len(self.layers):
-            return None
         if rest.startswith("confidence_head.") and self.confidence_head is None:
             return None
         if rest.endswith(".scale"):
@@ -330,13 +259,9 @@ class DSparkDeepseekV4Draft(nn.Module):
     def _pad_shared_expert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Pad a shared-expert tensor's intermediate axis to the parameter's TP shards."""
         down = ".shared_experts.down_proj." in name
-        module_name = (
-            name.split(".shared_experts.")[0]
-            + (".shared_experts.down_proj" if down else ".shared_experts.gate_up_proj")
-        )
-        module = self.get_submodule(module_name)
-        param_name = name.rsplit(".", 1)[-1]
-        param = getattr(module, param_name, None)
+        proj = "down_proj" if down else "gate_up_proj"
+        module = self.get_submodule(f"{name.split('.shared_experts.')[0]}.shared_experts.{proj}")
+        param = getattr(module, name.rsplit(".", 1)[-1], None)
         if param is None or param.dim() < 2 or tensor.dim() < 2:
             return tensor
         tp_size = int(getattr(module, "tp_size", 1))
@@ -345,12 +270,8 @@ class DSparkDeepseekV4Draft(nn.Module):
         return pad_to_tp_shards(tensor, 0, param.shape[0] // 2, tp_size)  # [2 * I, H] merged
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load the ``mtp.*`` tensors; every draft parameter must be written.
-
-        vLLM tracks unwritten parameters only for unquantised models, so for an FP8/MXFP4
-        checkpoint a tensor missing from the files would leave a parameter as
-        ``torch.empty`` without notice: the check here names what was never written.
-        """
+        """Load the ``mtp.*`` tensors and name any parameter never written (vLLM checks that
+        only for unquantised models: a missing FP8/MXFP4 tensor would stay ``torch.empty``)."""
         from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 
         expert_mapping = fused_moe_make_expert_params_mapping(
@@ -397,8 +318,7 @@ class DSparkDeepseekV4Draft(nn.Module):
             else:
                 param = self._param(params, ckpt_name, name)
                 if name.endswith("attn.attn_sink"):
-                    heads = param.numel()
-                    param.data.copy_(tensor[:heads].to(param.dtype).view(param.shape))
+                    param.data.copy_(tensor[: param.numel()].to(param.dtype).view(param.shape))
                 else:
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
@@ -419,11 +339,8 @@ class DSparkDeepseekV4Draft(nn.Module):
         return loaded
 
     def _expected_expert_tensors(self) -> set[str]:
-        """Every routed expert's tensors (mapped names), from the fused expert parameters.
-
-        A fused parameter is written by any of its experts, so each expert is checked on
-        its own: the checkpoint must hold every expert, local to this rank or not.
-        """
+        """Mapped names of every routed expert's tensors, local to this rank or not: any one
+        expert writes a fused parameter, so each expert is checked on its own."""
         expected = set()
         for name, _ in self.named_parameters():
             m = _FUSED_EXPERT_PARAM.match(name)
@@ -446,11 +363,8 @@ class DSparkDeepseekV4Draft(nn.Module):
 
     @staticmethod
     def _load_expert(ckpt_name, name, tensor, params, expert_mapping) -> set[str]:
-        """One routed expert's tensor into its fused parameter; set of what was written.
-
-        With expert parallelism the loader of a non-local expert returns False: skipped,
-        as upstream. Only a name that no mapping matches is an error.
-        """
+        """One routed expert's tensor into its fused parameter; returns what was written (a
+        non-local expert under EP is skipped, as upstream; only an unmatched name raises)."""
         if "weight_scale" in name and tensor.dtype == torch.float8_e8m0fnu:
             tensor = tensor.view(torch.uint8)
         matched = False
@@ -470,15 +384,11 @@ class DSparkDeepseekV4Draft(nn.Module):
 
 
 def refuse_native_mega_moe(vllm_config: VllmConfig) -> None:
-    """The draft's MoE is vLLM's fused MoE; DeepGEMM MegaMoE needs other parameters.
-
-    Upstream loads MegaMoE experts with its own mapping and a finalize step that this
-    draft does not have, so such a backend is refused before any weight is read.
-    """
+    """Refuse DeepGEMM MegaMoE before any weight is read: upstream loads its experts with a
+    mapping and finalize step this draft (vLLM's fused MoE) does not have."""
     from vllm.config.kernel import NATIVE_MEGA_MOE_BACKENDS
 
-    kernel_config = getattr(vllm_config, "kernel_config", None)
-    backend = getattr(kernel_config, "moe_backend", None)
+    backend = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", None)
     if backend in NATIVE_MEGA_MOE_BACKENDS:
         raise ValueError(
             f"moe_backend={backend!r} is not supported with the overlay's DSpark draft "
@@ -489,13 +399,8 @@ def refuse_native_mega_moe(vllm_config: VllmConfig) -> None:
 
 def load_dspark_draft(vllm_config: VllmConfig) -> DSparkDeepseekV4Draft:
     """Build and load this overlay's draft with vLLM's model loader, on every platform.
-
-    The registry entry ``DSparkDraftModel`` resolves per platform: on CUDA to upstream's
-    ``nvidia/dspark.py`` class, which has no private rings (``context_kv``, ``shape``,
-    ``share_target_heads``) and serves only vLLM's V2 runner. The overlay's V1 proposer
-    therefore names its class explicitly instead of asking the registry; the loader still
-    does the rest (device, dtype, weight iteration, ``process_weights_after_loading``).
-    """
+    The class is named, not the registry's ``DSparkDraftModel`` (on CUDA upstream's V2-only
+    class, without rings); the loader does the rest (device, dtype, weights, post-processing)."""
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -503,14 +408,5 @@ def load_dspark_draft(vllm_config: VllmConfig) -> DSparkDeepseekV4Draft:
     if spec is None or spec.draft_model_config is None:
         raise ValueError("load_dspark_draft needs vllm_config.speculative_config.draft_model_config")
     loader = get_model_loader(vllm_config.load_config)
-
-    def create_overlay_draft(vllm_config, model_config, prefix=""):
-        return initialize_model(
-            vllm_config=vllm_config,
-            model_config=model_config,
-            prefix=prefix,
-            model_class=DSparkDeepseekV4Draft,
-        )
-
-    loader.create_model = create_overlay_draft
+    loader.create_model = partial(initialize_model, model_class=DSparkDeepseekV4Draft)
     return loader.load_model(vllm_config=vllm_config, model_config=spec.draft_model_config)

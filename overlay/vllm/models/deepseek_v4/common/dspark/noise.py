@@ -1,24 +1,14 @@
-"""Keyed noise for probabilistic DSpark drafting, seeded per request and position.
-
-vLLM's V2 DSpark draws each draft token by a Gumbel / exponential race whose noise is a
-pure function of ``(request seed, position, token id)``: the draw for the token predicted at
-position ``P`` is keyed by ``P - 1`` plus a salt that keeps draft noise apart from the
-target's. No RNG state advances, so a request with ``seed=`` drafts the same tokens whatever
-batch it shares, whichever batch row it sits in, and however its steps were chunked.
-Requests without a seed get a random one when first seen (as upstream's sampler states do).
-
-The key is a 32-bit MurmurHash3-style mix of (seed low, seed high, position, token) and the
-draw is ``E = -log((h + 0.5) / 2**32)`` evaluated in float64, rounded to float32. The whole
-``[R, N, V]`` block is written in one pass: a Numba loop on the host (32-bit hash lanes, a
-vectorised log that redoes the rare draws near a float32 tie with the float64 log, so every
-value equals the float64 formula's; compiled on a process's first sampled draft step), a
-Triton kernel on CUDA (keys and logs in registers; run here only by Triton's interpreter).
-The per-row part of the mix (seed and position) is done once per row; on the host the
-per-token part is done once per block of tokens, for all rows.
+"""Keyed noise for probabilistic DSpark drafting, as vLLM's V2 DSpark: a pure function of
+``(request seed, position, token id)``, so a seeded request drafts the same tokens whatever its
+batch, row or chunking. The key is a 32-bit MurmurHash3-style mix of (seed low, seed high,
+position, token), the draw ``E = -log((h + 0.5) / 2**32)`` in float64, rounded to float32, the
+whole ``[R, N, V]`` block in one pass: a Numba loop on the host (the row's mix once per row, the
+token's once per block of tokens), a Triton kernel on CUDA (tested here by Triton's interpreter).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -39,18 +29,9 @@ _KEY_BYTES = 16
 def keyed_race_noise(
     seeds: torch.Tensor, anchor_positions: torch.Tensor, block_len: int, vocab_size: int
 ) -> torch.Tensor:
-    """``Exp(1)`` race noise ``[R, N, V]`` float32 for drafting one block per request.
-
-    Slot k predicts position ``p + k + 1`` and its draw is keyed by ``(seed, p + k)`` plus
-    ``DRAFT_NOISE_SALT`` (upstream's scheme); ``E = -log u`` turns the uniforms into the
-    exponential race ``argmax(q / E)`` that the Markov sampler runs.
-
-    Args:
-        seeds: ``[R]`` int64 per-request seeds (any 64-bit value), on the positions' device.
-        anchor_positions: ``[R]`` int64 anchor positions p.
-        block_len: N, draft slots per request.
-        vocab_size: V, the number of tokens drawn over.
-    """
+    """``Exp(1)`` race noise ``[R, N, V]`` float32 for one block per request: slot k predicts
+    ``p + k + 1`` and is keyed by ``(seed, p + k + DRAFT_NOISE_SALT)``, upstream's scheme.
+    ``seeds`` (any int64) and ``anchor_positions`` p are ``[R]`` on one device."""
     if seeds.shape != anchor_positions.shape or seeds.dim() != 1:
         raise ValueError(
             f"seeds and anchor_positions must both be [R]; got {tuple(seeds.shape)} and "
@@ -69,20 +50,18 @@ def keyed_race_noise(
         return out
     seeds = seeds.to(torch.int64)
     keys = anchor_positions.to(torch.int64) + DRAFT_NOISE_SALT
-    if seeds.device.type == "cuda":
+    device = seeds.device.type
+    if device == "cuda":
         _race_noise_triton(seeds, keys, out)
-    elif seeds.device.type == "cpu":
+    elif device == "cpu":
         _race_noise_host()(seeds.numpy(), keys.numpy(), out.numpy())
     else:
-        raise NotImplementedError(
-            f"keyed_race_noise runs on cpu or cuda, not on {seeds.device.type}"
-        )
+        raise NotImplementedError(f"keyed_race_noise runs on cpu or cuda, not on {device}")
     return out
 
 
 # ----------------------------------------------------------------------------- host (Numba)
 
-_host_kernel = None
 _CHUNK = 1024  # tokens per block: a block's scratch stays in L1
 # -log u = -(k ln2 + ln m) with u = 2**k m, m in [sqrt(1/2), sqrt(2)); -ln m = 2 atanh(g / 2)
 # with g = 2 (1 - m) / (1 + m), |g / 2| <= 0.1716: eight odd terms leave a relative error
@@ -97,20 +76,10 @@ _SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # float64 bits of sqrt(1/2)
 _TWO52_BITS = 0x4330000000000000  # float64 bits of 2**52: (n | these bits) - 2**52 == n
 
 
-def _race_noise_host():
-    """The Numba kernel, compiled on first use (Numba ships with vLLM; no C compiler)."""
-    global _host_kernel
-    if _host_kernel is None:
-        _host_kernel = _build_host_kernel()
-    return _host_kernel
-
-
 def _hash_intrinsics():
-    """The per-token hash in 32-bit lanes (Numba widens uint32 arithmetic to 64 bits, which
-    AVX2 cannot multiply in vectors), split in two: ``token_key(t)``, the part of
-    ``mix(h, t)`` that depends on the token alone (the same for every row), and
-    ``finish(h', key)``, the rest of the mix and the finaliser; ``h'`` is ``rotl(h, 13)`` of
-    the row: ``mix(h, t) = (rotl(h, 13) ^ token_key(t)) * 5 + n``."""
+    """The per-token hash in 32-bit lanes (Numba widens uint32 arithmetic to 64 bits, which AVX2
+    cannot multiply in vectors): ``mix(h, t) = (rotl(h, 13) ^ token_key(t)) * 5 + n``, so
+    ``token_key`` serves every row and ``finish(rotl(h, 13), key)`` adds the rest and finaliser."""
     from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic
@@ -160,7 +129,9 @@ def _hash_intrinsics():
     return token_key, finish, bits, from_bits
 
 
-def _build_host_kernel():
+@functools.cache
+def _race_noise_host():
+    """The Numba kernel, compiled on first use (Numba ships with vLLM; no C compiler)."""
     import math
 
     import numba
