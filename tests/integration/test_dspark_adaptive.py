@@ -208,6 +208,38 @@ def test_min_gain_and_hysteresis():
     assert cutting
     assert rule_counts(conf, [True], table(0.01), 0.04, cutting=cutting) == [2]  # stops
     assert not cutting
+    assert rule_counts(conf, [True], table(0.05), 0.04, cutting=cutting) == [1]
+    # Holding needs half the minimum, 2%: 1.5% stops it.
+    assert rule_counts(conf, [True], table(0.015), 0.04, cutting=cutting) == [2]
+    assert not cutting
+
+
+def test_under_a_budget_a_whole_row_outranks_even_a_certain_draft():
+    """Whole rows go first: a confidence-0 draft of a whole row beats a confidence-1 draft."""
+    got = rule_counts([[1.0], [0.0]], [True, True], linear(1.0, 0.0), 10.0, whole=[False, True],
+                      budget=3)
+    assert got == [0, 1]
+
+
+def test_an_unranked_row_never_takes_a_ranked_drafts_place():
+    """A ranked draft of survival 0 still ranks ahead of an ineligible row's slots."""
+    assert rule_counts([[1.0], [0.0]], [False, True], linear(1.0, 0.0), 10.0) == [0, 1]
+
+
+def test_an_exact_tie_keeps_the_smaller_budget():
+    """One draft of confidence 0.5: 1 token in 1 ms or 1.5 tokens in 1.5 ms, exactly equal."""
+    assert rule_counts([[0.5]], [True], {1: 1.0, 2: 1.5}.__getitem__, 0.0) == [0]
+
+
+def test_the_rule_reads_only_the_first_max_drafts_plus_one_step_times():
+    conf = torch.tensor([[0.9, 0.5], [0.8, 0.2]])
+    table = torch.tensor([2.0, 2.2, 2.4, 2.6, 2.8])  # requests + b rows, b = 0..4
+    args = dict(num_ranked=2, num_whole_drafts=0, max_drafts=4, min_gain=0.0)
+    keep = draft_budget_mask(conf, torch.tensor([True, True]), step_ms=table, **args)
+    padded = torch.cat([table, torch.tensor([1e-6, 1e-6])])  # past the step: never read
+    assert torch.equal(
+        draft_budget_mask(conf, torch.tensor([True, True]), step_ms=padded, **args), keep
+    )
 
 
 @pytest.mark.parametrize("k", [1, 4])

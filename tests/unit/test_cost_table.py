@@ -138,6 +138,7 @@ def test_fit_row_budget_trims_the_longest_first_and_never_grows():
     assert fit_row_budget([4, 4, 4], 20) == [4, 4, 4]  # 15 rows fit
     assert fit_row_budget([4, 1, 4], 9) == [3, 1, 2]  # 6 drafts: cap 2, one spare
     assert fit_row_budget([4, 4], 2) == [0, 0]
+    assert fit_row_budget([2, 2], 6) == [2, 2]  # exactly the budget: kept whole
     assert fit_row_budget([3, 3, 3], 2) == [0, 0, 0]  # more requests than rows: no drafts
     for counts, budget in (([5, 0, 2, 5], 10), ([1, 2, 3, 4, 5], 12), ([5] * 16, 64)):
         fit = fit_row_budget(counts, budget)

@@ -187,13 +187,13 @@ def assert_rings_equal(got, want, what: str) -> None:
 
 
 def test_plan_fields_and_frozen():
-    plan = pp.plan_packed_prefill(7, 2)
+    plan = pp.plan_packed_prefill(7, 2, 0)
     assert (plan.num_tokens, plan.num_padded) == (7, 8)
     assert (plan.rows_per_rank, plan.tp_size, plan.num_pad_rows) == (4, 2, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.num_tokens = 3
     assert pp.MAX_PACKED_TOKENS == 8192
-    assert pp.plan_packed_prefill(8192, 4).rows_per_rank == 2048
+    assert pp.plan_packed_prefill(8192, 4, 0).rows_per_rank == 2048
 
 
 def _random_plans(count: int):
@@ -226,12 +226,12 @@ def test_random_plans_against_row_arithmetic():
 
 
 def test_pad_positions_continue_after_largest_live_position():
-    plan = pp.plan_packed_prefill(5, 4)  # P=8: three pads
+    plan = pp.plan_packed_prefill(5, 4, 0)  # P=8: three pads
     pos = torch.tensor([40, 41, 7, 8, 9])
     assert pp._pad_positions(plan, pos, 100).tolist() == [40, 41, 7, 8, 9, 42, 43, 44]
     assert pp._pad_positions(plan, pos, 43).tolist() == [40, 41, 7, 8, 9, 42, 42, 42]
     assert pp._pad_positions(plan, pos.int(), 100).dtype == torch.int32
-    no_pads = pp.plan_packed_prefill(8, 4)
+    no_pads = pp.plan_packed_prefill(8, 4, 0)
     assert pp._pad_positions(no_pads, pos, 8) is pos  # no copy when nothing is padded
 
 
@@ -341,7 +341,7 @@ def assert_ranks_match_tp1(sc: dict, results: list[dict], name: str) -> None:
             want_pos = [top + 1 + i for i in range(first + real - n, first + rows - n)]
             assert pos[real:].tolist() == want_pos, (name, rank)
     assert sum(real_rows) == n and real_rows == sorted(real_rows, reverse=True)
-    assert pp.plan_packed_prefill(n, tp).num_pad_rows == padded - n
+    assert pp.plan_packed_prefill(n, tp, 0).num_pad_rows == padded - n
 
 
 @pytest.mark.dist

@@ -32,7 +32,7 @@ class PackedPrefill:
     num_padded: int  # P = align_up(N, tp_size)
     rows_per_rank: int  # L = P / tp_size
     tp_size: int
-    rank: int = 0  # this process's rank in ``group``
+    rank: int  # this process's rank in ``group``
     group: dist.ProcessGroup | None = None  # None only for tp_size == 1
 
     @property
@@ -47,7 +47,7 @@ class PackedPrefill:
 
 
 def plan_packed_prefill(
-    num_tokens: int, tp_size: int, rank: int = 0, group: dist.ProcessGroup | None = None
+    num_tokens: int, tp_size: int, rank: int, group: dist.ProcessGroup | None = None
 ) -> PackedPrefill:
     """The TP row split of a chunk of ``num_tokens`` rows (checked by the step plan)."""
     padded = -(-num_tokens // tp_size) * tp_size
