@@ -75,8 +75,7 @@ $(TRITON_ORACLE)/.stamp: recipe/pins.yaml | $(PY)
 	touch $@
 
 model: setup ## generate the tiny DeepSeek-V4-DSpark checkpoint under models/, train its draft (once)
-	@[ -f $(TINY_MODEL)/config.json ] || $(PY) -m scripts.tiny.make_tiny_model --dspark --out $(TINY_MODEL)
-	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.train_tiny_draft --model $(TINY_MODEL)
+	@$(VLLM_CPU_ENV) $(PY) -m scripts.tiny.ensure
 
 .PHONY: model-tp4
 # Its draft is left as generated (random): the four-node rehearsal checks the launch, the faults

@@ -6,6 +6,7 @@ server, the benchmarks and the tests call this instead of running the generators
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,17 @@ def ensure_tiny_model(
         # The memory-bound twin: `make model-membound` generates and trains it, at its own
         # temperature and training settings; the tiny defaults would overwrite both.
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One generator and trainer per checkpoint: a test run and a demo started on a fresh
+    # checkout would otherwise train the same draft at once, into the same files.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _generate_and_train(path, train, quiet, compress_ratios, announce)
+    return path
+
+
+def _generate_and_train(path: Path, train: bool, quiet: bool, compress_ratios: str | None,
+                        announce: str | None) -> None:
     if not (path / "config.json").exists():
         if announce is not None:
             print(f"{announce}generating the tiny DeepSeek-V4-DSpark checkpoint: {path}", flush=True)
@@ -50,4 +62,7 @@ def ensure_tiny_model(
         print(f"{announce}set the tiny checkpoint's default sampling: {path}", flush=True)
     if train:
         run_tool("train_tiny_draft", "--model", str(path), *(["--quiet"] if quiet else []))
-    return path
+
+
+if __name__ == "__main__":  # `make model`: the demo's checkpoint and its trained draft
+    ensure_tiny_model(quiet=False, announce=">> ")

@@ -75,3 +75,24 @@ def test_the_tiny_checkpoints_ensure_leaves_the_twin_alone(tmp_path):
     assert {f.name: f.read_bytes() for f in twin.iterdir()} == before
     assert _vllm_default_sampling(twin) == {"temperature": TEMPERATURE}
     assert _vllm_default_sampling(tiny) == {"temperature": 0.0}
+
+
+def test_the_tiny_checkpoint_is_ensured_by_one_process_at_a_time(tmp_path):
+    """A second caller waits while another generates or trains the same checkpoint."""
+    import fcntl
+    import threading
+
+    from scripts.tiny.ensure import ensure_tiny_model
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text("{}")
+    done = threading.Event()
+    with open(tmp_path / ".tiny.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: (ensure_tiny_model(tiny, train=False), done.set()))
+        worker.start()
+        assert not done.wait(1.0)  # blocked behind the holder
+    worker.join(30)
+    assert done.is_set()
+    assert _vllm_default_sampling(tiny) == {"temperature": 0.0}
