@@ -47,4 +47,6 @@ def test_replayed_drafts_are_verified_accepted_and_rejected_under_the_grammar(re
     assert replayed["accepted_tokens"] * 2 > replayed["verified_tokens"]
     assert replayed["accepted_tokens"] < replayed["verified_tokens"]
     assert replayed["accepted_tokens"] > own["accepted_tokens"]
-    assert report["replayed"]["steps"] < report["own"]["steps"]
+    # Fewer model steps (the proposer's count): the engine's own step count also holds the
+    # empty steps spent waiting for the grammar to compile, which a busy machine lengthens.
+    assert replayed["steps"] < own["steps"]

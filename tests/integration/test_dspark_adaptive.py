@@ -521,6 +521,36 @@ def test_served_steps_correct_the_table(env, monkeypatch):
     assert counts == [k, k]
 
 
+def test_the_cut_reads_the_head_calibrated_by_what_the_target_accepted(env, monkeypatch):
+    """Both requests accept every verified draft, step after step: the per-slot scale is an
+    independent count's over those outcomes and the head's confidences of the drafts judged,
+    and each step's cut is the oracle's on the head's confidences times that scale."""
+    from vllm.v1.spec_decode.dspark.calibration import SlotCalibration
+
+    table = linear_table(0.3)
+    proposer = _adaptive_proposer(env, monkeypatch, table)
+    k = proposer.num_speculative_tokens
+    decay, prior = SlotCalibration.DECAY, SlotCalibration.PRIOR
+    accepted, predicted = [0.0] * k, [0.0] * k
+    widths, confidence = [0, 0], None
+    for step in range(6):  # before the served-step fit's first exploring proposal
+        inputs = _decode_inputs(proposer, widths, step)
+        if confidence is not None:  # what the step verifies was drafted with ``confidence``
+            accepted = [a * decay + sum(j < w for w in widths) for j, a in enumerate(accepted)]
+            predicted = [p * decay + sum(confidence[r][j] for r, w in enumerate(widths) if j < w)
+                         for j, p in enumerate(predicted)]
+        counts = _counts(proposer.propose(inputs))
+        scale = [(a + prior) / (p + prior) for a, p in zip(accepted, predicted, strict=True)]
+        torch.testing.assert_close(proposer.calibration.scale, torch.tensor(scale))
+        confidence = proposer.last_confidence.float().tolist()
+        calibrated = [[min(c * s, 1.0) for c, s in zip(row, scale, strict=True)]
+                      for row in confidence]
+        want, _ = best_cut(calibrated, [True, True], lambda rows: table.step_ms(2, rows), 0.0)
+        assert sum(counts) == sum(want), (step, counts, want, scale)
+        widths = counts  # the scheduler verifies what the rule admitted, all accepted
+    assert scale[0] > 1.1, scale  # every draft judged was accepted: the head was too cautious
+
+
 def test_narrow_exploration_spreads_a_rule_that_keeps_full_width(env, monkeypatch):
     """Rows cost nothing in the table, so the rule verifies every draft, and served steps
     of that one shape would never spread the table's times: every second exploring step

@@ -25,6 +25,7 @@ from vllm.models.deepseek_v4.common.dspark.model import (
 from vllm.models.deepseek_v4.common.dspark.noise import RequestSeeds, keyed_race_noise
 from vllm.v1.spec_decode.dspark import cost_table
 from vllm.v1.spec_decode.dspark.adaptive import apply_cut, draft_budget_mask, draft_budgets
+from vllm.v1.spec_decode.dspark.calibration import SlotCalibration
 from vllm.v1.spec_decode.dspark.context_store import last_accepted, store_context_kv, window_mask
 from vllm.v1.spec_decode.dspark.counters import DSparkCounters, StepCounters
 from vllm.v1.spec_decode.dspark.engine_timing import table_settings, time_verify_step
@@ -97,6 +98,7 @@ class DSparkProposer:
         self.rule_on = False  # the cut runs each step (decided from the table)
         self._step_ms: torch.Tensor | None = None  # [S+1, rows+1] table on the device
         self._cutting: torch.Tensor | None = None  # hysteresis state (device bool scalar)
+        self.calibration: SlotCalibration | None = None  # the head's per-slot scale (device)
         self._table_tried = self._measuring = False
         # Served steps correct the table (served_steps); _base_ms is it as measured, on the host.
         self.served = ServedStepFit()
@@ -252,6 +254,8 @@ class DSparkProposer:
         positions, aux = _first_rows(plan.num_rows, step.positions, step.aux_hidden_states)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
             accepted = last_accepted(plan.store, positions, step.num_rejected)
+            if self.calibration is not None:
+                self.calibration.observe(plan.store.slots, plan.verified, step.num_rejected)
             self._ingest(plan, positions, aux, accepted)
             anchor_pos = draft_anchor_positions(plan, accepted)
             pad = (0, plan.draft_rows - num_reqs)
@@ -262,8 +266,12 @@ class DSparkProposer:
                 seeds = self.request_seeds.lookup(req_ids, step.request_seeds or [None] * num_reqs)
                 noise = self.draw_race_noise(seeds, anchor_pos)
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
-            if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
-                drafts = self._cut(plan, drafts, narrow=explore is not None)
+            if self.calibration is not None:
+                confidence = self.last_confidence
+                self.calibration.remember(plan.store.slots, confidence)
+                if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
+                    confidence = self.calibration.apply(confidence)
+                    drafts = self._cut(plan, drafts, confidence, narrow=explore is not None)
         self._count(plan, step.num_rejected)
         return drafts.to(torch.int32)
 
@@ -286,10 +294,12 @@ class DSparkProposer:
         seeded = np.fromiter((s is not None for s in request_seeds), bool, len(request_seeds))
         return (np.asarray(temperature_cpu) > 0) & seeded
 
-    def _cut(self, plan: StepPlan, drafts: torch.Tensor, narrow=False) -> torch.Tensor:
-        """Drafts past each request's budget replaced by ``CUT`` (device); ``narrow`` (exploring)
-        admits one per request (seeded sampled ones keep k), hysteresis untouched. Async
-        scheduling keeps drafts whole (slots already reserved) and hands back the budgets."""
+    def _cut(self, plan: StepPlan, drafts: torch.Tensor, confidence: torch.Tensor,
+             narrow=False) -> torch.Tensor:
+        """Drafts past each request's budget by ``confidence`` (calibrated) replaced by ``CUT``
+        (device); ``narrow`` (exploring) admits one per request (seeded sampled ones keep k),
+        hysteresis untouched. Async scheduling keeps drafts whole (slots already reserved) and
+        hands back the budgets."""
         num_reqs, k = plan.num_requests, self.num_speculative_tokens
         num_ranked = num_reqs - plan.num_discarded
         max_drafts = num_ranked * k
@@ -302,7 +312,7 @@ class DSparkProposer:
             drafting = plan.drafting[:num_reqs].bool()
             eligible = drafting if whole is None else drafting & ~whole
             keep = draft_budget_mask(
-                self.last_confidence, eligible, num_ranked=num_ranked,
+                confidence, eligible, num_ranked=num_ranked,
                 num_whole_drafts=plan.num_never_cut * k, max_drafts=max_drafts,
                 step_ms=self._step_ms[num_reqs, num_reqs : num_reqs + max_drafts + 1],
                 min_gain=self.min_gain, whole=whole, cutting=None if narrow else self._cutting,
@@ -323,6 +333,7 @@ class DSparkProposer:
         self._step_ms = torch.from_numpy(self._base_ms.copy()).to(self.device)
         self._cutting = torch.zeros((), dtype=torch.bool, device=self.device)
         self.served = ServedStepFit(clock=self.served.clock)
+        self.calibration = SlotCalibration(self.max_num_seqs, self.num_speculative_tokens, self.device)
         gain = self._decide_rule(table)
         logger.info(
             "DSpark adaptive verification (%s): step time in ms by requests and drafts per "

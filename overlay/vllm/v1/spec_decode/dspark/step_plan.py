@@ -64,6 +64,7 @@ class StepPlan:
     draft_slots: torch.Tensor  # [draft_rows] ring row per draft row (pads: scratch row S)
     drafting: torch.Tensor  # [draft_rows] 1 where the drafts reach the scheduler, else 0
     never_cut: torch.Tensor  # [draft_rows] 1 where adaptive verification keeps all k drafts
+    verified: torch.Tensor  # [R] drafts the target verified this step (0 while prefilling)
     num_discarded: int  # requests still in chunked prefill (their drafts are dropped)
     num_never_cut: int  # drafting requests whose drafts are never cut (seeded sampled ones)
     num_verified: int  # draft tokens the target verified this step
@@ -120,6 +121,7 @@ def plan_step(
     arrays["drafting"] = np.concatenate([~discard, pad])
     keep_whole = _flags("never_cut", never_cut, num_requests) & ~discard
     arrays["never_cut"] = np.concatenate([keep_whole, pad])
+    arrays["verified"] = bound
 
     packed = None
     if num_requests * (num_spec_tokens + 1) < store["num_rows"] <= MAX_PACKED_TOKENS:
@@ -140,6 +142,7 @@ def plan_step(
         draft_slots=tensors["draft_slots"],
         drafting=tensors["drafting"],
         never_cut=tensors["never_cut"],
+        verified=tensors["verified"],
         num_discarded=int(discard.sum()),
         num_never_cut=int(keep_whole.sum()),
         num_verified=int(drafts.sum()),
