@@ -103,7 +103,8 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     rule_on = drafter.rule_on
     # auto's own state: the rule's switch and the served-step correction (served_steps),
     # which only auto's passes feed, as only auto runs in a deployment.
-    auto_state = {"rule_on": rule_on, "base_ms": drafter._base_ms}
+    auto_state = {"rule_on": rule_on, "base_ms": drafter._base_ms,
+                  "calibration": drafter.calibration}
     current = {"mode": "auto"}
 
     def set_mode(mode: str) -> None:
@@ -113,12 +114,14 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         if mode == "auto":
             drafter._cut, drafter.rule_on = adaptive_cut, auto_state["rule_on"]
             drafter._base_ms = auto_state["base_ms"]
+            drafter.calibration = auto_state["calibration"]
             return
         width = int(mode[1:])
         keep = torch.arange(k, device=drafter.device) < width
         drafter._cut = lambda plan, drafts, narrow=False: apply_cut(drafts, keep[None, :].expand_as(drafts))
         drafter.rule_on = width < k  # full width: adaptive off, nothing to cut
         drafter._base_ms = None  # no served-step fit, no exploration: the width as set
+        drafter.calibration = None  # nor the head's calibration (auto's, kept for its passes)
 
     def one_pass(mode: str, tag: str) -> dict[str, Any]:
         set_mode(mode)

@@ -87,3 +87,18 @@ def test_a_head_that_predicts_half_of_what_is_accepted_is_scaled_up_and_clamped(
     assert calibration.apply(torch.full((1, K), 0.9)).max().item() == 1.0
     # NaN from the head counts as 0, as the rule reads it.
     assert calibration.apply(torch.full((1, K), float("nan"))).max().item() == 0.0
+
+
+def test_after_forget_no_outcome_counts_until_a_block_is_remembered_again():
+    """The rule was off for a while (nothing remembered): the ring rows' old blocks are not
+    the ones the target judges now."""
+    calibration = SlotCalibration(SLOTS, K, "cpu")
+    slots, verified = torch.tensor([0, 1]), torch.full((2,), K)
+    none_rejected = torch.zeros(2, dtype=torch.int64)
+    calibration.remember(slots, torch.full((2, K), 0.5))
+    calibration.forget()
+    calibration.observe(slots, verified, none_rejected)
+    assert calibration.scale.tolist() == [1.0] * K
+    calibration.remember(slots, torch.full((2, K), 0.5))
+    calibration.observe(slots, verified, none_rejected)
+    torch.testing.assert_close(calibration.scale, torch.full((K,), (2 + 8) / (1 + 8)))

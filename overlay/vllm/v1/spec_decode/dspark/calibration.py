@@ -46,6 +46,10 @@ class SlotCalibration:
         self.drafted.index_copy_(0, slots, torch.nan_to_num(confidence.float(), nan=0.0))
         self.known.index_fill_(0, slots, True)
 
+    def forget(self) -> None:
+        """No ring row's last block is known (none were remembered for a while)."""
+        self.known.zero_()
+
     @property
     def scale(self) -> torch.Tensor:
         """``[k]`` accepted over predicted per slot, shrunk towards 1 by the prior."""

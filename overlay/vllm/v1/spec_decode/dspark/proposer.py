@@ -117,6 +117,7 @@ class DSparkProposer:
         # confidence is computed only when read (fixed-length verify does not use it).
         self._confidence_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._confidence_rows = 0
+        self._confidence: torch.Tensor | None = None
         self._last_probs: torch.Tensor | None = None
         self._block_offsets: torch.Tensor | None = None  # arange(N) on the device, made once
         self.graphs: DraftBlockGraphs | None = None  # CUDA graphs of the draft block
@@ -127,9 +128,11 @@ class DSparkProposer:
         """``[R, N]`` confidence of the last block's drafts (None without a confidence head)."""
         if self._confidence_inputs is None or self.model is None:
             return None
-        (head, embeds), rows = self._confidence_inputs, self._confidence_rows
-        with torch.inference_mode():
-            return self.model.compute_confidence(head[:rows], embeds[:rows])
+        if self._confidence is None:  # one head pass per block, however often it is read
+            (head, embeds), rows = self._confidence_inputs, self._confidence_rows
+            with torch.inference_mode():
+                self._confidence = self.model.compute_confidence(head[:rows], embeds[:rows])
+        return self._confidence
 
     @property
     def live_request_ids(self):
@@ -254,7 +257,8 @@ class DSparkProposer:
         positions, aux = _first_rows(plan.num_rows, step.positions, step.aux_hidden_states)
         with torch.inference_mode(), set_forward_context(None, self.vllm_config):
             accepted = last_accepted(plan.store, positions, step.num_rejected)
-            if self.calibration is not None:
+            calibrating = self.calibration is not None and self.rule_on
+            if calibrating:
                 self.calibration.observe(plan.store.slots, plan.verified, step.num_rejected)
             self._ingest(plan, positions, aux, accepted)
             anchor_pos = draft_anchor_positions(plan, accepted)
@@ -266,12 +270,10 @@ class DSparkProposer:
                 seeds = self.request_seeds.lookup(req_ids, step.request_seeds or [None] * num_reqs)
                 noise = self.draw_race_noise(seeds, anchor_pos)
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
-            if self.calibration is not None:
-                confidence = self.last_confidence
-                self.calibration.remember(plan.store.slots, confidence)
-                if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
-                    confidence = self.calibration.apply(confidence)
-                    drafts = self._cut(plan, drafts, confidence, narrow=explore is not None)
+            if calibrating:
+                self.calibration.remember(plan.store.slots, self.last_confidence)
+            if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
+                drafts = self._cut(plan, drafts, narrow=explore is not None)
         self._count(plan, step.num_rejected)
         return drafts.to(torch.int32)
 
@@ -284,6 +286,7 @@ class DSparkProposer:
         num_reqs = plan.num_requests
         self._last_probs = probs[0][:num_reqs] if probs else None
         self._confidence_inputs, self._confidence_rows = (head, embeds), num_reqs
+        self._confidence = None
         return tokens if plan.draft_rows == num_reqs else tokens[:num_reqs]
 
     def _never_cut(self, temperature_cpu, request_seeds) -> np.ndarray | None:
@@ -294,13 +297,15 @@ class DSparkProposer:
         seeded = np.fromiter((s is not None for s in request_seeds), bool, len(request_seeds))
         return (np.asarray(temperature_cpu) > 0) & seeded
 
-    def _cut(self, plan: StepPlan, drafts: torch.Tensor, confidence: torch.Tensor,
-             narrow=False) -> torch.Tensor:
-        """Drafts past each request's budget by ``confidence`` (calibrated) replaced by ``CUT``
+    def _cut(self, plan: StepPlan, drafts: torch.Tensor, narrow=False) -> torch.Tensor:
+        """Drafts past each request's budget by the calibrated confidence replaced by ``CUT``
         (device); ``narrow`` (exploring) admits one per request (seeded sampled ones keep k),
         hysteresis untouched. Async scheduling keeps drafts whole (slots already reserved) and
         hands back the budgets."""
         num_reqs, k = plan.num_requests, self.num_speculative_tokens
+        confidence = self.last_confidence
+        if self.calibration is not None:
+            confidence = self.calibration.apply(confidence)
         num_ranked = num_reqs - plan.num_discarded
         max_drafts = num_ranked * k
         if self.row_budget is not None:
@@ -349,7 +354,10 @@ class DSparkProposer:
         some cut gains ``min_gain`` or the row budget binds. Returns the most a cut could gain."""
         budget_binds = self.row_budget is not None and self._max_rows > self.row_budget
         gain = table.max_gain(self.max_num_seqs)
+        was_on = self.rule_on
         self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
+        if self.rule_on and not was_on and self.calibration is not None:
+            self.calibration.forget()  # no block was remembered while the rule was off
         return gain
 
     def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> str | None:
