@@ -164,6 +164,8 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         "rule_on": rule_on,
         "rule_on_at_end": drafter.rule_on,
         "served_fit": drafter.served.fitted,
+        # The head's per-slot calibration at the end (None: the rule never ran).
+        "calibration": None if drafter.calibration is None else drafter.calibration.scale.tolist(),
         "table": json.loads(table.to_json()),
         "max_gain": table.max_gain(concurrency),
         "first_step_seconds": started["seconds"],
@@ -222,9 +224,14 @@ def summarize(child: dict[str, Any]) -> dict[str, Any]:
         "per_round_auto_over_best_fixed": ratio_best,
         "per_round_auto_over_full_width": ratio_full,
         **{key: child[key] for key in ("rule_on", "rule_on_at_end", "served_fit", "max_gain",
-                                       "table", "first_step_seconds", "learning")},
+                                       "table", "first_step_seconds", "learning",
+                                       "calibration")},
         "rounds": len(rounds),
     }
+
+
+def calibration_text(scale) -> str:
+    return "none" if scale is None else " ".join(f"{x:.2f}" for x in scale)
 
 
 def fit_text(fit) -> str:
@@ -299,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s['max_gain']:.0f}%), {'on' if s['rule_on_at_end'] else 'off'} at the "
               f"end; served steps {fit_text(s['served_fit'])} (learned in "
               f"{s['learning']['proposals']} steps, {s['learning']['passes']} passes); table measured in "
-              f"{s['table']['measure_seconds']:.1f} s", flush=True)
+              f"{s['table']['measure_seconds']:.1f} s; head calibration per slot "
+              f"{calibration_text(s['calibration'])}", flush=True)
     result = {
         "created_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpu": cpu_name(),
