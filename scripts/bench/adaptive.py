@@ -164,7 +164,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         "rule_on": rule_on,
         "rule_on_at_end": drafter.rule_on,
         "served_fit": drafter.served.fitted,
-        # The head's per-slot calibration at the end (None: the rule never ran).
+        # The head's per-slot calibration at the end (all 1 where the rule never ran).
         "calibration": None if drafter.calibration is None else drafter.calibration.scale.tolist(),
         "table": json.loads(table.to_json()),
         "max_gain": table.max_gain(concurrency),
