@@ -1,12 +1,12 @@
 """Adaptive verification (``adaptive: auto``) against every fixed verify width, paired.
 
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python -m scripts.bench.adaptive \\
-        [--profile cpu-tiny] [--concurrency 1 4 8] [--rounds 6] [--max-tokens 64]
+        [--profile cpu-tiny] [--concurrency 1 4 8] [--rounds 10] [--max-tokens 64]
 
 One engine of the profile per concurrency c (``max_num_seqs`` = c, synchronous scheduling,
 greedy, the profile's own step budget), started with an empty cost-table cache so it
-measures its step-time table as a fresh deployment does. Inside that engine, passes of c
-requests (the same prompts every pass) rotate between the modes:
+measures its step-time table as a fresh deployment does. Inside that engine, passes of 3c
+requests (the same prompts every pass) through its c slots rotate between the modes:
 
 - ``auto``: the profile's engine with ``adaptive: auto`` (the proposer's own decision from
   its table: the cut rule, or nothing where the table predicts no gain);
@@ -15,7 +15,9 @@ requests (the same prompts every pass) rotate between the modes:
 
 Comparing inside one process matters on a shared CPU, where separate engines differ by more
 than the modes do; the order of the modes rotates every round so a drift in machine speed
-spreads over all of them. Per pass: tokens/s over the engine steps' wall time, verified rows
+spreads over all of them. A pass is timed while all c slots are busy (a finished request's
+slot goes to the next prompt); its tail, where every width waits on the slowest request, is
+aborted. Per pass: tokens/s over the timed steps' wall time, verified rows
 per emitted token, acceptance length. Per concurrency: median tokens/s per mode, the best
 fixed width, and the per-round ratios auto / best fixed and auto / full width (medians).
 
@@ -47,6 +49,10 @@ from .. import recipe
 OUT_DIR = recipe.REPO / "bench-results"
 PROMPT_LENS = [80, 9, 210, 33, 300, 2, 130, 1]
 MAX_LEARNING_PASSES = 12  # auto's passes before the rounds at most (its warm-up included)
+# Requests per pass, in multiples of the concurrency: the engine's c slots are refilled as
+# requests finish, so most of a pass runs at c requests (steady load); the tail, where fewer
+# than c are left and every width waits on the slowest request, is not timed.
+PASS_GENERATIONS = 3
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -72,6 +78,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     import torch
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.spec_decode.dspark.adaptive import apply_cut
 
@@ -85,8 +92,9 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     if not drafter.adaptive:
         sys.exit("the profile's engine does not run adaptive verification (adaptive: false?)")
     k = drafter.num_speculative_tokens
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    batch = prompts(concurrency)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    batch = prompts(PASS_GENERATIONS * concurrency)
     adaptive_cut = drafter._cut
     started = {"seconds": None}
 
@@ -124,16 +132,22 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         drafter.calibration = None  # nor the head's calibration (auto's, kept for its passes)
 
     def one_pass(mode: str, tag: str) -> dict[str, Any]:
+        """``PASS_GENERATIONS x c`` requests through the engine's c slots; timed while every
+        slot is taken (a finished request's slot goes to the next prompt, as under steady
+        load), the tail in which the last requests finish is aborted, not timed."""
         set_mode(mode)
         drafter.reset_counters()
         for i, ids in enumerate(batch):
             engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
         output_tokens, seconds = 0, 0.0
-        while engine.has_unfinished_requests():
+        while engine.get_num_unfinished_requests() >= concurrency:
             t0 = time.perf_counter()
             outs = engine.step()
             seconds += time.perf_counter() - t0
-            output_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+            output_tokens += sum(len(o.outputs[0].token_ids) for o in outs)  # deltas
+        engine.abort_request([f"{tag}-{i}" for i in range(len(batch))])
+        while engine.has_unfinished_requests():  # nothing left to run: the aborts land
+            engine.step()
         c = drafter.counters
         sampled_rows = output_tokens - c.accepted_tokens  # one per request and step
         return {
@@ -145,13 +159,17 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     modes = mode_names(k)
     for mode in modes:  # warm-up, not reported
         one_pass(mode, f"warm-{mode}")
-    # auto learns its served-step correction in its first steps; the rounds compare steady
-    # states, so auto keeps warming up until the fit forms (its learning is reported apart).
-    learning = {"passes": 1, "proposals": drafter.served.proposals}
-    while drafter.served.fitted is None and learning["passes"] < MAX_LEARNING_PASSES:
+    # auto learns its served-step correction in its first steps, exploring one step in 8
+    # until the fit's slope is known or DENSE_PROPOSALS have passed; the rounds compare
+    # steady states, so auto keeps warming up until then (its learning is reported apart).
+    served = drafter.served
+    learning = {"passes": 1, "proposals": served.proposals}
+    while (not served.slope_known() and served.proposals <= served.DENSE_PROPOSALS
+           and learning["passes"] < MAX_LEARNING_PASSES):
         one_pass("auto", f"learn-{learning['passes']}")
-        learning = {"passes": learning["passes"] + 1, "proposals": drafter.served.proposals}
-    learning["fitted"] = drafter.served.fitted is not None
+        learning = {"passes": learning["passes"] + 1, "proposals": served.proposals}
+    learning["fitted"] = served.fitted is not None
+    learning["slope_known"] = served.slope_known()
     passes: list[dict[str, dict[str, Any]]] = []
     for rnd in range(rounds):
         shift = rnd % len(modes)
@@ -164,6 +182,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         "rule_on": rule_on,
         "rule_on_at_end": drafter.rule_on,
         "served_fit": drafter.served.fitted,
+        "rule_rests": drafter.rest.rests,  # times auto's rule rested (it cut nothing lately)
         # The head's per-slot calibration at the end (all 1 where the rule never ran).
         "calibration": None if drafter.calibration is None else drafter.calibration.scale.tolist(),
         "table": json.loads(table.to_json()),
@@ -223,7 +242,7 @@ def summarize(child: dict[str, Any]) -> dict[str, Any]:
         "auto_over_full_width": statistics.median(ratio_full),
         "per_round_auto_over_best_fixed": ratio_best,
         "per_round_auto_over_full_width": ratio_full,
-        **{key: child[key] for key in ("rule_on", "rule_on_at_end", "served_fit", "max_gain",
+        **{key: child[key] for key in ("rule_on", "rule_on_at_end", "rule_rests", "served_fit", "max_gain",
                                        "table", "first_step_seconds", "learning",
                                        "calibration")},
         "rounds": len(rounds),
@@ -279,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="cpu-tiny")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8],
                     help="concurrent requests (max_num_seqs), one engine each")
-    ap.add_argument("--rounds", type=int, default=6, help="passes of every mode per engine")
+    ap.add_argument("--rounds", type=int, default=10, help="passes of every mode per engine")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--jobs", type=int, default=1, help="engines at a time (default 1)")
     ap.add_argument("--out", type=Path, help="default: bench-results/adaptive-PROFILE.json")
@@ -304,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['auto_over_best_fixed']:.3f}x, auto/full {s['auto_over_full_width']:.3f}x; "
               f"rule {'on' if s['rule_on'] else 'off'} (most a cut could gain "
               f"{100 * s['max_gain']:.0f}%), {'on' if s['rule_on_at_end'] else 'off'} at the "
-              f"end; served steps {fit_text(s['served_fit'])} (learned in "
+              f"end, rested {s['rule_rests']} times; served steps {fit_text(s['served_fit'])} (learned in "
               f"{s['learning']['proposals']} steps, {s['learning']['passes']} passes); table measured in "
               f"{s['table']['measure_seconds']:.1f} s; head calibration per slot "
               f"{calibration_text(s['calibration'])}", flush=True)

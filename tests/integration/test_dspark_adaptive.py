@@ -571,6 +571,41 @@ def test_narrow_exploration_spreads_a_rule_that_keeps_full_width(env, monkeypatc
     assert not proposer.served.slope_known()  # one shape served so far (k, k)
 
 
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_auto_rests_the_rule_after_steps_it_cut_nothing_from_then_looks_again(
+    env, monkeypatch, mode
+):
+    """The scheduler hands back every draft (the last cut admitted all): after 3 such rule
+    steps in a row ``auto`` rests the rule for 5 proposals (no cut, no head pass), then runs
+    it again; a step with one draft cut restarts the count; ``on`` never rests."""
+    from vllm.v1.spec_decode.dspark.rule_rest import RuleRest
+    from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
+
+    monkeypatch.setattr(ServedStepFit, "EXPLORE_DENSE", 10**9)  # no exploring steps here
+    monkeypatch.setattr(ServedStepFit, "EXPLORE_SPARSE", 10**9)
+    proposer = _adaptive_proposer(env, monkeypatch, linear_table(0.3), mode=mode, min_gain=0.04)
+    assert proposer.rule_on  # rows cost 0.3 of 1 ms: a cut could pay
+    proposer.rest = RuleRest(rest_after=3, rest_for=5)
+    k = proposer.num_speculative_tokens
+    # Step 2 verifies one draft fewer (the rule cut it): the count starts again after it.
+    widths = [[k, k], [k, k], [k, k - 1]] + [[k, k]] * 14
+    ran, head_passes = [], []
+    for step, w in enumerate(widths):
+        proposer.propose(_decode_inputs(proposer, w, step))
+        ran.append(proposer.rule_on)
+        head_passes.append(proposer._confidence is not None)  # the head ran for the cut
+    if mode == "on":
+        assert all(ran) and all(head_passes)
+        return
+    # Judged steps: 1 (uncut 1), 2 (cut: 0), 3, 4, 5 (3 in a row: rests after step 5's
+    # check), resting through steps 5-9 (5 proposals), awake again at step 10, 3 more uncut
+    # judged steps 11-13 (step 10 follows a resting step: not judged), rests at 13.
+    want = [True] * 5 + [False] * 5 + [True] * 3 + [False] * 4
+    assert ran == want, ran
+    assert head_passes == want
+    assert proposer.rest.rests == 2
+
+
 def test_budgets_reach_the_scheduler_with_the_step_output():
     """The async output wrapper: the inner output untouched, budgets keyed by request,
     requests without a budget left out (the scheduler keeps their k)."""

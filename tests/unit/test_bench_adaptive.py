@@ -13,7 +13,8 @@ TABLE = {"requests": [1], "ms": [[10.0, 11.0, 12.0]], "row_budget": None, "measu
 
 
 def child(rounds):
-    return {"k": 2, "rule_on": True, "rule_on_at_end": True, "served_fit": None, "table": TABLE, "max_gain": 0.2,
+    return {"k": 2, "rule_on": True, "rule_on_at_end": True, "rule_rests": 0, "served_fit": None,
+            "table": TABLE, "max_gain": 0.2,
             "first_step_seconds": 1.5, "rounds": rounds,
             "learning": {"passes": 3, "proposals": 48, "fitted": True}, "calibration": [1.1, 0.9]}
 

@@ -55,6 +55,20 @@ def test_monotone_in_rows_keeps_the_lower_envelope():
     assert out[:2] == [4.0, 4.0] and math.isnan(out[2])
 
 
+class PassClock:
+    """A host clock that advances ``ms_per_point`` per timed point (tests set the pace)."""
+
+    def __init__(self, ms_per_point: float):
+        self.now, self.ms_per_point = 0.0, ms_per_point
+
+    def __call__(self) -> float:
+        return self.now
+
+    def point(self, ms: float) -> float:
+        self.now += self.ms_per_point / 1e3
+        return ms
+
+
 def test_measure_times_every_point_within_the_budget_and_keeps_the_fastest():
     calls = []
     noise = iter([3.0, 0.0, 2.0, 1.0] * 100)
@@ -63,9 +77,10 @@ def test_measure_times_every_point_within_the_budget_and_keeps_the_fastest():
         calls.append((requests, width))
         return 10.0 + requests * (width + 1) + next(noise)
 
-    table = measure(run_point, [1, 2, 4], 2, row_budget=8, max_rows=12, repeats=3)
+    table = measure(run_point, [1, 2, 4], 2, row_budget=8, max_rows=12, min_passes=3,
+                    max_passes=3)
     points = {(r, w) for r in (1, 2, 4) for w in range(3) if r * (w + 1) <= 8}
-    assert set(calls) == points and len(calls) == 3 * len(points)
+    assert set(calls) == points and len(calls) == 3 * len(points) and table.passes == 3
     assert math.isnan(table.ms[2][2])  # 12 rows: over the budget, never run
     for i, r in enumerate((1, 2, 4)):
         for w in range(3):
@@ -74,14 +89,56 @@ def test_measure_times_every_point_within_the_budget_and_keeps_the_fastest():
     assert table.row_budget == 8
 
 
+@pytest.mark.parametrize("ms_per_point,passes", [(10.0, 16), (90.0, 6), (1000.0, 3)])
+def test_passes_fill_the_time_budget_between_the_least_and_the_most(ms_per_point, passes):
+    # 5 points a pass: 50 ms, 0.45 s or 5 s per pass in a 3 s budget. A pass is started only
+    # while one as long as the last still fits (the sixth 0.45 s pass ends at 2.7 s).
+    clock = PassClock(ms_per_point)
+    table = measure(lambda r, w: clock.point(1.0 + w), [1], 4, row_budget=None, max_rows=5,
+                    min_passes=3, max_passes=16, seconds=3.0, clock=clock)
+    assert table.passes == passes
+    assert table.measure_seconds == pytest.approx(passes * 5 * ms_per_point / 1e3)
 
-def test_spread_says_how_much_the_passes_disagree():
+
+def test_more_passes_find_the_floor_a_busy_machine_hides():
+    # Every point costs 10 ms plus a stall drawn anew each time (a shared CPU): with two
+    # passes the table keeps stalls, with the time budget's passes it comes near 10 ms.
+    rng = np.random.default_rng(0)
+    clock = PassClock(10.0)
+
+    def run_point(requests, width):
+        return clock.point(10.0 + rng.exponential(3.0))
+
+    two = measure(run_point, [1, 2, 4], 4, row_budget=None, max_rows=20, min_passes=2,
+                  max_passes=2, clock=clock)
+    many = measure(run_point, [1, 2, 4], 4, row_budget=None, max_rows=20, clock=clock)
+    error = lambda t: np.nanmax(np.asarray(t.ms) - 10.0)  # noqa: E731
+    assert many.passes > 2 * two.passes and error(many) < 0.5 * error(two)
+
+
+def test_every_tp_rank_stops_where_rank_0_does():
+    # Rank 0 wants to stop after 3 passes; another rank, whose clock says 1, follows it.
+    decisions = []
+
+    def rank0_says(stop):
+        decisions.append(stop)
+        return len(decisions) >= 3
+
+    clock = PassClock(0.0)  # this rank's clock: never out of time
+    table = measure(lambda r, w: 1.0, [1], 2, row_budget=None, max_rows=3, min_passes=1,
+                    max_passes=16, clock=clock, agree=rank0_says)
+    assert table.passes == 3 and decisions == [False, False, False]
+
+
+def test_spread_says_how_far_above_their_fastest_the_passes_ran():
     table = measure(lambda r, w: 1.0 + r * (w + 1), [1, 2], 2, row_budget=None, max_rows=6)
     assert table.spread == 0.0
-    passes = iter([1.0, 2.0] * 10)  # every point: 1 ms, then 2 ms
-    busy = measure(lambda r, w: next(passes), [1], 4, row_budget=None, max_rows=5)
-    assert busy.spread == pytest.approx(1.0) and busy.ms[0] == (1.0,) * 5
-    assert StepCostTable.from_json(busy.to_json()).spread == pytest.approx(1.0)
+    passes = iter([1.0] * 3 + [2.0] * 6)  # 3 passes of 3 points: every point 1, 2, 2 ms
+    busy = measure(lambda r, w: next(passes), [1], 2, row_budget=None, max_rows=3,
+                   min_passes=3, max_passes=3)
+    assert busy.spread == pytest.approx(1.0) and busy.ms[0] == (1.0,) * 3
+    back = StepCostTable.from_json(busy.to_json())
+    assert back.spread == pytest.approx(1.0) and back.passes == 3
 
 
 def test_json_round_trip_and_version_check():
@@ -91,7 +148,8 @@ def test_json_round_trip_and_version_check():
     assert back.requests == (1, 2) and back.row_budget == 3 and back.ms[0] == (1.0, 2.0)
     assert math.isnan(back.ms[1][1]) and back.measure_seconds == 1.5
     with pytest.raises(ValueError, match="version"):
-        StepCostTable.from_json(table.to_json().replace('"version": 1', '"version": 0'))
+        StepCostTable.from_json(table.to_json().replace(
+            f'"version": {cost_table.TABLE_VERSION}', '"version": 0'))
 
 
 @pytest.mark.parametrize(

@@ -40,14 +40,16 @@ def test_fit_recovers_the_line_the_steps_follow(a, b):
     assert fit.predict(20.0) == pytest.approx(a + b * 20.0, rel=0.03)
 
 
-def test_no_fit_without_enough_steps_or_spread():
+def test_no_fit_without_enough_steps_and_only_the_offset_without_spread():
     clock = Clock()
     fit = ServedStepFit(clock=clock, min_steps=32)
-    _serve(fit, clock, [20.0] * 100, lambda x: 35.0)  # one width only: a and b inseparable
-    assert fit.fit() is None and fit.fitted is None
-    fit = ServedStepFit(clock=clock, min_steps=32)
     _serve(fit, clock, [10.0, 30.0] * 10, lambda x: 2 * x)  # 19 observations
-    assert fit.steps == 19 and fit.fit() is None
+    assert fit.steps == 19 and fit.fit() is None and fit.fitted is None
+    fit = ServedStepFit(clock=clock, min_steps=32)
+    _serve(fit, clock, [20.0] * 100, lambda x: 35.0)  # one width only: a and b inseparable
+    # The slope unknown: a served row costs the table's (the most it may), plus the 15 ms
+    # every served step paid over the table.
+    assert not fit.slope_known() and fit.fit() == pytest.approx((15.0, 1.0))
 
 
 def test_only_consecutive_decode_steps_of_the_same_requests_are_observed():
@@ -147,11 +149,13 @@ def test_narrowly_spread_times_fit_once_enough_steps_pin_the_slope():
     assert fit.predict(42.2) == pytest.approx(10.0 + 1.2 * 42.2, rel=0.03)
 
 
-def test_noisy_steps_with_little_spread_do_not_fit():
-    # 40 steps, two of them narrow, +-20 ms of noise: the slope could be anything.
+def test_noisy_steps_with_little_spread_fit_only_the_offset():
+    # 40 steps, two of them narrow, +-20 ms of noise: the slope could be anything, so it is
+    # the table's (1) and the offset the mean excess (10 + 0.2 x table, about 20 ms).
     fit = _one_width_and_rare_narrow_steps(40, noise_ms=20.0)
-    assert fit.steps >= fit.min_steps
-    assert not fit.slope_known() and fit.fit() is None
+    assert fit.steps >= fit.min_steps and not fit.slope_known()
+    a, b = fit.fit()
+    assert b == ServedStepFit.MAX_SCALE and a == pytest.approx(10.0 + 0.2 * 50.4, abs=6.0)
 
 
 def test_dense_exploration_ends_even_when_the_slope_stays_unknown():

@@ -34,10 +34,16 @@ CACHE_DIR_ENV = "DSPARK_COST_TABLE_DIR"  # where tables are kept (default: vLLM'
 # A cut must promise at least this much more throughput than full-width verification (the
 # field's default: a table's error should not make the cut cost more than it returns).
 DEFAULT_MIN_GAIN = 0.04
-TABLE_VERSION = 1
-REPEATS = 2
-# A table whose passes disagree by more than this (median over points) was measured on a busy
-# machine: it is used, but not kept for the next start, which measures again.
+TABLE_VERSION = 2  # 2: measured in 3-16 passes (1: two passes, which overstated rows)
+# Passes over the grid: at least MIN_PASSES, more while they fit in MEASURE_SECONDS, at most
+# MAX_PASSES. Two passes were not enough on a 2-core CPU: the faster of two still overstated
+# 8 requests' full-width step by 23% (27.8 ms where 20 passes' fastest was 22.6), so the rule
+# cut drafts whose rows cost nothing like that.
+MIN_PASSES, MAX_PASSES = 3, 16
+MEASURE_SECONDS = 3.0
+# A table whose passes disagree by more than this (median over points of the median pass
+# over the fastest) was measured on a busy machine: it is used, but not kept for the next
+# start, which measures again.
 MAX_CACHED_SPREAD = 0.2
 CONTEXT_TOKENS = 256  # context per request in the timed forwards, read by every verify row
 
@@ -52,7 +58,8 @@ class StepCostTable:
     ms: tuple[tuple[float, ...], ...]
     row_budget: int | None = None
     measure_seconds: float = 0.0
-    spread: float = 0.0  # median relative spread between a point's passes: how busy it was
+    spread: float = 0.0  # median over points of (median pass / fastest - 1): how busy it was
+    passes: int = 0  # passes over the grid it was measured in
 
     def __post_init__(self) -> None:
         table = np.asarray(self.ms, dtype=np.float64)
@@ -119,7 +126,8 @@ class StepCostTable:
     def affine(self, offset: float, scale: float) -> StepCostTable:
         """This table with every time ``offset + scale * ms`` (served steps' correction)."""
         ms = tuple(tuple(offset + scale * t for t in row) for row in self.ms)
-        return StepCostTable(self.requests, ms, self.row_budget, self.measure_seconds, self.spread)
+        return StepCostTable(self.requests, ms, self.row_budget, self.measure_seconds, self.spread,
+                              self.passes)
 
     def describe(self) -> str:
         """A few lines for the log: ms by requests (rows) and width."""
@@ -135,7 +143,7 @@ class StepCostTable:
         return json.dumps({"version": TABLE_VERSION, "requests": list(self.requests), "ms": ms,
                            "row_budget": self.row_budget,
                            "measure_seconds": round(self.measure_seconds, 3),
-                           "spread": round(self.spread, 4)})
+                           "spread": round(self.spread, 4), "passes": self.passes})
 
     @classmethod
     def from_json(cls, text: str) -> StepCostTable:
@@ -145,7 +153,8 @@ class StepCostTable:
         ms = tuple(tuple(float("nan") if t is None else float(t) for t in row)
                    for row in data["ms"])
         return cls(tuple(data["requests"]), ms, data["row_budget"],
-                   float(data.get("measure_seconds", 0.0)), float(data.get("spread", 0.0)))
+                   float(data.get("measure_seconds", 0.0)), float(data.get("spread", 0.0)),
+                   int(data.get("passes", 0)))
 
 
 def monotone_in_rows(times: Sequence[float]) -> list[float]:
@@ -167,27 +176,39 @@ def measure(
     *,
     row_budget: int | None,
     max_rows: int,
-    repeats: int = REPEATS,
+    min_passes: int = MIN_PASSES,
+    max_passes: int = MAX_PASSES,
+    seconds: float = MEASURE_SECONDS,
+    clock: Callable[[], float] = time.perf_counter,
+    agree: Callable[[bool], bool] = bool,
 ) -> StepCostTable:
-    """Time ``run_point(requests, width)`` (ms) over the grid: ``repeats`` round-robin passes
-    (a slow spell spreads over all points), the fastest kept (one-time costs only add time)."""
-    start = time.perf_counter()
+    """Time ``run_point(requests, width)`` (ms) over the grid in round-robin passes (a slow
+    spell spreads over all points): ``min_passes``, then more while another pass of the
+    last one's length fits in ``seconds``, ``max_passes`` at most. Per point the fastest
+    pass is kept (one-time costs and a busy machine only add time). The passes are collective
+    under TP: ``agree`` turns rank 0's decision to stop into every rank's."""
+    start = clock()
     limit = max_rows if row_budget is None else min(max_rows, row_budget)
     requests = [r for r in requests if r <= limit]  # at least one row per request
     points = [(i, r, w) for i, r in enumerate(requests) for w in range(num_spec_tokens + 1)
               if r * (w + 1) <= limit]
-    best = np.full((len(requests), num_spec_tokens + 1), np.nan)
-    worst = np.full_like(best, np.nan)
-    for _ in range(repeats):
+    times = np.full((max_passes, len(requests), num_spec_tokens + 1), np.nan)
+    passes, pass_start = 0, start
+    while passes < max_passes:
         for i, r, w in points:
-            ms = run_point(r, w)
-            if not ms >= best[i, w]:
-                best[i, w] = ms
-            if not ms <= worst[i, w]:
-                worst[i, w] = ms
-    spread = float(np.nanmedian((worst - best) / best)) if points else 0.0
+            times[passes, i, w] = run_point(r, w)
+        passes += 1
+        now = clock()
+        if agree(passes >= min_passes and now - start + (now - pass_start) > seconds):
+            break
+        pass_start = now
+    times = times[:passes]
+    timed = ~np.isnan(times[0])  # the points within the row limit
+    best = np.full(times.shape[1:], np.nan)
+    best[timed] = times[:, timed].min(axis=0)
+    spread = float(np.median(np.median(times[:, timed], axis=0) / best[timed] - 1.0)) if points else 0.0
     ms = tuple(tuple(monotone_in_rows(row)) for row in best.tolist())
-    return StepCostTable(tuple(requests), ms, row_budget, time.perf_counter() - start, spread)
+    return StepCostTable(tuple(requests), ms, row_budget, clock() - start, spread, passes)
 
 
 def device_name(device_type: str) -> str:

@@ -32,6 +32,7 @@ from vllm.v1.spec_decode.dspark.engine_timing import table_settings, time_verify
 from vllm.v1.spec_decode.dspark.graphs import DraftBlockGraphs, draft_graphs_wanted, full_cuda_graph
 from vllm.v1.spec_decode.dspark.packed_prefill import ingest_packed_prefill
 from vllm.v1.spec_decode.dspark.rings import SlotTable, allocate_rings, clear_slots
+from vllm.v1.spec_decode.dspark.rule_rest import RuleRest
 from vllm.v1.spec_decode.dspark.served_steps import ServedStepFit
 from vllm.v1.spec_decode.dspark.step_plan import (
     DSparkStepInput,
@@ -95,7 +96,9 @@ class DSparkProposer:
             )
         self.min_gain = cost_table.DEFAULT_MIN_GAIN
         self.cost_table: cost_table.StepCostTable | None = None
-        self.rule_on = False  # the cut runs each step (decided from the table)
+        self.rule_on = False  # the cut runs each step (decided from the table, or resting)
+        self._rule_pays = self._can_rest = self._ruled_last = False
+        self.rest = RuleRest()  # auto: the rule rests while it admits every draft
         self._step_ms: torch.Tensor | None = None  # [S+1, rows+1] table on the device
         self._cutting: torch.Tensor | None = None  # hysteresis state (device bool scalar)
         self.calibration: SlotCalibration | None = None  # the head's per-slot scale (device)
@@ -272,7 +275,8 @@ class DSparkProposer:
             drafts = self._draft(plan, anchors, anchor_pos, temperature, noise)
             if calibrating:
                 self.calibration.remember(plan.store.slots, self.last_confidence)
-            if explore == ServedStepFit.NARROW or (self.rule_on and explore is None):
+            self._ruled_last = self.rule_on and explore is None
+            if explore == ServedStepFit.NARROW or self._ruled_last:
                 drafts = self._cut(plan, drafts, narrow=explore is not None)
         self._count(plan, step.num_rejected)
         return drafts.to(torch.int32)
@@ -339,14 +343,15 @@ class DSparkProposer:
         self._cutting = torch.zeros((), dtype=torch.bool, device=self.device)
         self.served = ServedStepFit(clock=self.served.clock)
         self.calibration = SlotCalibration(self.max_num_seqs, self.num_speculative_tokens, self.device)
+        self.rest = RuleRest()
         gain = self._decide_rule(table)
         logger.info(
             "DSpark adaptive verification (%s): step time in ms by requests and drafts per "
-            "request (measured in %.1f s)\n%s\nmost a cut could gain: %.1f%% (min %.0f%%), "
-            "row budget %s: the cut %s",
-            self.adaptive_mode, table.measure_seconds, table.describe(), 100 * gain,
+            "request (measured in %.1f s, %d passes)\n%s\nmost a cut could gain: %.1f%% "
+            "(min %.0f%%), row budget %s: the cut %s",
+            self.adaptive_mode, table.measure_seconds, table.passes, table.describe(), 100 * gain,
             100 * self.min_gain, self.row_budget,
-            "runs every step" if self.rule_on else "is off (no gain to make)",
+            self._rule_state(),
         )
 
     def _decide_rule(self, table: cost_table.StepCostTable) -> float:
@@ -354,15 +359,39 @@ class DSparkProposer:
         some cut gains ``min_gain`` or the row budget binds. Returns the most a cut could gain."""
         budget_binds = self.row_budget is not None and self._max_rows > self.row_budget
         gain = table.max_gain(self.max_num_seqs)
-        was_on = self.rule_on
-        self.rule_on = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
-        if self.rule_on and not was_on and self.calibration is not None:
-            self.calibration.forget()  # no block was remembered while the rule was off
+        self._rule_pays = self.adaptive_mode == "on" or budget_binds or gain >= self.min_gain
+        self._can_rest = self.adaptive_mode == "auto" and not budget_binds
+        self._set_rule(self._rule_pays and not self.rest.resting)
         return gain
 
+    def _rule_state(self) -> str:
+        if self.rule_on:
+            return "runs every step"
+        return "rests (it cut nothing lately)" if self.rest.resting else "is off (no gain to make)"
+
+    def _set_rule(self, on: bool) -> None:
+        if on and not self.rule_on and self.calibration is not None:
+            self.calibration.forget()  # no block was remembered while the rule was off
+        self.rule_on = on
+
+    def _rest_or_wake(self, step: DSparkStepInput, num_reqs: int, decode_only: bool) -> None:
+        """``auto``: rest the rule after a run of steps it cut nothing from (``rule_rest``),
+        host only: this step's scheduled drafts are what the last cut admitted."""
+        judged = self._can_rest and self._ruled_last and decode_only
+        admitted_all = judged and int(np.sum(step.num_draft_tokens[:num_reqs])) == (
+            num_reqs * self.num_speculative_tokens)
+        change = self.rest.step(judged, admitted_all)
+        if change == RuleRest.REST:
+            self._set_rule(False)
+            logger.debug("DSpark adaptive verification: %d steps cut nothing, the rule rests "
+                         "for %d", self.rest.rest_after, self.rest.rest_for)
+        elif change == RuleRest.WAKE:
+            self._set_rule(self._rule_pays)
+
     def _serve_step(self, req_ids: list[str], step: DSparkStepInput) -> str | None:
-        """Observe this step's served time and refit now and then (proposals count alike on
-        every TP rank). Returns how this step explores (``ServedStepFit.explore``) or None."""
+        """Observe this step's served time and what the last cut admitted, refit now and then
+        (proposals count alike on every TP rank). Returns how this step explores
+        (``ServedStepFit.explore``) or None."""
         num_reqs = len(req_ids)
         rows = int(step.query_start_loc_cpu[num_reqs])
         decode_only = num_reqs > 0 and rows <= self._base_ms.shape[1] - 1 and np.array_equal(
@@ -371,6 +400,7 @@ class DSparkProposer:
         )
         table_ms = float(self._base_ms[num_reqs, rows]) if decode_only else 0.0
         self.served.step(req_ids, decode_only, table_ms)
+        self._rest_or_wake(step, num_reqs, decode_only)
         every = REFIT_UNFITTED if self.served.fitted is None else REFIT_EVERY
         if self.served.proposals % every == every - 1:
             self._refit()
@@ -394,7 +424,7 @@ class DSparkProposer:
         log(
             "DSpark adaptive verification: served steps take %.2f ms + %.2f x the table's "
             "time; most a cut could gain: %.1f%%, the cut %s", a, b, 100 * gain,
-            "runs every step" if self.rule_on else "is off (no gain to make)",
+            self._rule_state(),
         )
 
     def prepare_cost_table(self, runner) -> None:
@@ -414,6 +444,7 @@ class DSparkProposer:
                 table = cost_table.measure(
                     lambda r, w: time_verify_step(self, runner, r, w), self.draft_sizes,
                     self.num_speculative_tokens, row_budget=self.row_budget, max_rows=max_rows,
+                    agree=lambda stop: self._broadcast(stop if rank == 0 else None),
                 )
             finally:
                 self._measuring = False
@@ -421,8 +452,9 @@ class DSparkProposer:
                 cost_table.write_cached(path, table)
             elif rank == 0:
                 logger.warning(
-                    "DSpark cost table: the two timing passes differ by %.0f%% (a busy "
-                    "machine); used now, not cached, measured again at the next start",
+                    "DSpark cost table: its timing passes were %.0f%% above their fastest "
+                    "(median; a busy machine); used now, not cached, measured again at the "
+                    "next start",
                     100 * table.spread,
                 )
         if self.tp_size > 1:

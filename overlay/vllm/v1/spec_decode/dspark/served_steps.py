@@ -115,11 +115,17 @@ class ServedStepFit:
         return a + b * table_ms
 
     def fit(self) -> tuple[float, float] | None:
-        """``(a, b)`` once the observations allow it, else None; kept as ``fitted``."""
-        if self.steps < self.min_steps or not self.slope_known():
+        """``(a, b)`` once ``min_steps`` steps were observed, else None; kept as ``fitted``.
+        Until the observations pin the slope down, ``b`` is ``MAX_SCALE`` (the most a served
+        row may cost) and ``a`` the served steps' mean excess over the table: a constant the
+        table misses dilutes what rows cost, so the raw table would make the rule cut more."""
+        if self.steps < self.min_steps:
             return None
         mean_x, mean_y, var_x, cov, _ = self._moments()
-        b = min(max(cov / var_x, self.MIN_SCALE), self.MAX_SCALE)
+        if self.slope_known():
+            b = min(max(cov / var_x, self.MIN_SCALE), self.MAX_SCALE)
+        else:
+            b = self.MAX_SCALE
         # Keep every fitted time positive down to half the mean table time.
         a = max(mean_y - b * mean_x, -0.5 * b * mean_x)
         self.fitted = (a, b)
