@@ -17,6 +17,7 @@ CORE_MODULES = {
     "packed_prefill": "overlay/vllm/v1/spec_decode/dspark/packed_prefill.py",
     "adaptive": "overlay/vllm/v1/spec_decode/dspark/adaptive.py",
     "calibration": "overlay/vllm/v1/spec_decode/dspark/calibration.py",
+    "rule_rest": "overlay/vllm/v1/spec_decode/dspark/rule_rest.py",
     "markov": "overlay/vllm/models/deepseek_v4/common/dspark/markov.py",
     "apply_overlay": "scripts/apply_overlay.py",
     "recipe": "scripts/recipe.py",
