@@ -102,3 +102,32 @@ def test_after_forget_no_outcome_counts_until_a_block_is_remembered_again():
     calibration.remember(slots, torch.full((2, K), 0.5))
     calibration.observe(slots, verified, none_rejected)
     torch.testing.assert_close(calibration.scale, torch.full((K,), (2 + 8) / (1 + 8)))
+
+
+def test_an_outcome_fades_by_half_in_about_34_steps():
+    """The sums decay 2% a step (0.98 ** 34 = 0.503): they remember about the last 50 steps."""
+    cal = SlotCalibration(SLOTS, K, "cpu")
+    slots = torch.tensor([0])
+    cal.remember(slots, torch.full((1, K), 0.5))
+    cal.observe(slots, torch.tensor([1]), torch.tensor([0]))  # slot 0's draft accepted
+    for _ in range(34):  # steps that judged nothing
+        cal.observe(slots, torch.tensor([0]), torch.tensor([0]))
+    assert cal.accepted[0].item() == pytest.approx(0.503, abs=0.002)
+    assert cal.predicted[0].item() == pytest.approx(0.5 * 0.503, abs=0.001)
+
+
+def test_a_pad_row_uses_the_scratch_row_and_a_nan_confidence_predicts_nothing():
+    cal = SlotCalibration(SLOTS, K, "cpu")
+    assert cal.drafted.shape == (SLOTS + 1, K)  # one scratch row, for pad rows
+    slots = torch.tensor([2, SLOTS])  # a request's ring row and a pad row
+    confidence = torch.tensor([[float("nan"), 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]])
+    cal.remember(slots, confidence)
+    cal.observe(slots[:1], torch.tensor([1]), torch.tensor([0]))  # its first draft accepted
+    # Accepted 1, predicted 0 (NaN read as 0): (1 + 8) / (0 + 8).
+    assert cal.scale[0].item() == pytest.approx(9.0 / 8.0)
+
+
+def test_the_rule_reads_confidences_clamped_to_zero_one():
+    cal = SlotCalibration(SLOTS, K, "cpu")
+    out = cal.apply(torch.tensor([[-0.5, 0.2, 1.5, float("nan")]]))
+    assert out[0].tolist() == pytest.approx([0.0, 0.2, 1.0, 0.0])

@@ -32,3 +32,17 @@ def test_rests_after_a_run_of_uncut_steps_and_wakes_after_the_rest():
 def test_counts_must_be_positive(after, rest_for):
     with pytest.raises(ValueError, match="rest_after and rest_for"):
         RuleRest(after, rest_for)
+
+
+def test_the_defaults_rest_after_64_uncut_steps_for_512_proposals():
+    rest = RuleRest()
+    said = [rest.step(True, True) for _ in range(64)]
+    assert said == [None] * 63 + [RuleRest.REST]
+    said = [rest.step(True, True) for _ in range(512)]
+    assert said == [None] * 511 + [RuleRest.WAKE] and not rest.resting
+
+
+def test_the_shortest_rest_one_step_after_one_uncut_step():
+    rest = RuleRest(rest_after=1, rest_for=1)  # the smallest allowed
+    assert rest.step(True, True) == RuleRest.REST and rest.resting
+    assert rest.step(True, True) == RuleRest.WAKE and not rest.resting
