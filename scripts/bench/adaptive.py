@@ -164,7 +164,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
     # steady states, so auto keeps warming up until then (its learning is reported apart).
     served = drafter.served
     learning = {"passes": 1, "proposals": served.proposals}
-    while (not served.slope_known() and served.proposals <= served.DENSE_PROPOSALS
+    while (not served.pinned and served.proposals <= served.DENSE_PROPOSALS
            and learning["passes"] < MAX_LEARNING_PASSES):
         one_pass("auto", f"learn-{learning['passes']}")
         learning = {"passes": learning["passes"] + 1, "proposals": served.proposals}

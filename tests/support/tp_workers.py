@@ -86,5 +86,6 @@ def refit_from_rank_zero(worker) -> dict | None:
             x = low + (high - low) * (i % 8) / 7
             drafter.served.observe(x, REFIT_A + REFIT_B * x)
     drafter._refit()
-    return {"fitted": drafter.served.fitted, "step_ms": drafter._step_ms.tolist(),
+    return {"fitted": drafter.served.fitted, "pinned": drafter.served.pinned,
+            "step_ms": drafter._step_ms.tolist(),
             "rule_on": drafter.rule_on}

@@ -124,6 +124,9 @@ def test_exploration_is_dense_until_the_times_spread_then_sparse_wide_and_narrow
     # Wide and narrow in turn: the rule's own width alone may never spread the times.
     assert explored == [ServedStepFit.WIDE, ServedStepFit.NARROW] * (len(explored) // 2)
     _serve(fit, clock, [10.0, 30.0] * 5, lambda x: 30.0)
+    assert fit.slope_known() and not fit.pinned  # exploration reads the last fit's
+    fit.fit()
+    assert fit.pinned
     late = [fit.explore() for _ in range(256)]
     assert sum(e is not None for e in late) == 256 // ServedStepFit.EXPLORE_SPARSE
 

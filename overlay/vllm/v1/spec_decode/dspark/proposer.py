@@ -410,8 +410,10 @@ class DSparkProposer:
         """Rank 0's fit of served steps becomes every rank's table: ``a + b * measured``."""
         rank, _ = self._tp_rank_group()
         before = self.served.fitted
-        fitted = self._broadcast(self.served.fit() if rank == 0 else None)
+        fitted, pinned = self._broadcast(
+            (self.served.fit(), self.served.pinned) if rank == 0 else None)
         self.served.fitted = fitted or self.served.fitted  # fit() keeps its own on rank 0
+        self.served.pinned = pinned  # every rank explores as rank 0's fit says
         if fitted is None:
             return
         a, b = fitted

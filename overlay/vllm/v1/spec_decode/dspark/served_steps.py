@@ -31,13 +31,14 @@ class ServedStepFit:
     # cut less. On the CPU twin at c=8 the fit's noise gave scales of 0.6-1.6 where steps
     # followed 12 ms + 1.02 x table; at 1.32 the rule cut to where full width was 12% faster.
     MAX_SCALE = 1.0
-    # Explore one step in EXPLORE_DENSE until the slope is known, one in EXPLORE_SPARSE after
+    # Explore one step in EXPLORE_DENSE until a fit finds the slope known (``pinned``: under TP
+    # rank 0's, broadcast at each refit), one in EXPLORE_SPARSE after
     # (one in 4 cost the CPU twin 4-5% of its tokens/s); dense for DENSE_PROPOSALS at most:
     # where steps are too short for the host clock to pin the slope, exploring stops costing.
     EXPLORE_DENSE = 8
     EXPLORE_SPARSE = 64
     DENSE_PROPOSALS = 256
-    # The fit is used once the standard error of its scale ``b`` is at most this (with a bar
+    # The fit's scale ``b`` is used once its standard error is at most this (with a bar
     # on the spread alone it never formed on the CPU twin at c=1: exploring cost 3% for good).
     MAX_SLOPE_ERROR = 0.15
     WIDE, NARROW = "wide", "narrow"
@@ -55,12 +56,15 @@ class ServedStepFit:
         self.fitted: tuple[float, float] | None = None
         self.proposals = 0
         self.explored = 0  # exploring proposals so far
+        # Whether the slope was known at the last fit: what exploration reads, so that under
+        # TP every rank (each with its own clock) explores alike once rank 0's is broadcast.
+        self.pinned = False
 
     def explore(self) -> str | None:
         """Once per proposal (the same sequence on every TP rank): ``WIDE`` (every draft) or
         ``NARROW`` (about one per request), alternately, when this one explores, else None."""
         self.proposals += 1
-        dense = self.proposals <= self.DENSE_PROPOSALS and not self.slope_known()
+        dense = self.proposals <= self.DENSE_PROPOSALS and not self.pinned
         every = self.EXPLORE_DENSE if dense else self.EXPLORE_SPARSE
         if self.proposals % every:
             return None
@@ -119,10 +123,11 @@ class ServedStepFit:
         Until the observations pin the slope down, ``b`` is ``MAX_SCALE`` (the most a served
         row may cost) and ``a`` the served steps' mean excess over the table: a constant the
         table misses dilutes what rows cost, so the raw table would make the rule cut more."""
+        self.pinned = self.slope_known()
         if self.steps < self.min_steps:
             return None
         mean_x, mean_y, var_x, cov, _ = self._moments()
-        if self.slope_known():
+        if self.pinned:
             b = min(max(cov / var_x, self.MIN_SCALE), self.MAX_SCALE)
         else:
             b = self.MAX_SCALE
