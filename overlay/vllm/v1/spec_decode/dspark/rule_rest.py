@@ -6,8 +6,7 @@ calibration and the sort (0.44 ms of a 24 ms step on cpu-tiny at 8 requests: 2%)
 knows what the last cut admitted without a device read: the drafts the scheduler hands back
 to verify. After ``rest_after`` rule steps in a row that verify every draft the rule rests
 for ``rest_for`` proposals, then runs again to look. Every TP rank sees the same scheduler
-output; the ranks rest alike where they explore alike (each reads its own step clock), and
-either way the rule has no collective and only rank 0's drafts reach the scheduler.
+output and explores alike (rank 0's fit says how often), so all rest alike.
 """
 
 from __future__ import annotations
