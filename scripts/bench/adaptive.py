@@ -169,7 +169,7 @@ def worker(profile_name: str, concurrency: int, rounds: int, max_tokens: int) ->
         one_pass("auto", f"learn-{learning['passes']}")
         learning = {"passes": learning["passes"] + 1, "proposals": served.proposals}
     learning["fitted"] = served.fitted is not None
-    learning["slope_known"] = served.slope_known()
+    learning["pinned"] = served.pinned  # the slope known at the last fit
     passes: list[dict[str, dict[str, Any]]] = []
     for rnd in range(rounds):
         shift = rnd % len(modes)

@@ -374,12 +374,11 @@ class DSparkProposer:
             self.calibration.forget()  # no block was remembered while the rule was off
         self.rule_on = on
 
-    def _rest_or_wake(self, step: DSparkStepInput, num_reqs: int, decode_only: bool) -> None:
+    def _rest_or_wake(self, drafts: np.ndarray, decode_only: bool) -> None:
         """``auto``: rest the rule after a run of steps it cut nothing from (``rule_rest``),
-        host only: this step's scheduled drafts are what the last cut admitted."""
+        host only: this step's scheduled ``drafts`` per request are what the last cut admitted."""
         judged = self._can_rest and self._ruled_last and decode_only
-        admitted_all = judged and int(np.sum(step.num_draft_tokens[:num_reqs])) == (
-            num_reqs * self.num_speculative_tokens)
+        admitted_all = judged and int(drafts.sum()) == drafts.size * self.num_speculative_tokens
         change = self.rest.step(judged, admitted_all)
         if change == RuleRest.REST:
             self._set_rule(False)
@@ -394,13 +393,13 @@ class DSparkProposer:
         (``ServedStepFit.explore``) or None."""
         num_reqs = len(req_ids)
         rows = int(step.query_start_loc_cpu[num_reqs])
+        drafts = np.asarray(step.num_draft_tokens[:num_reqs])  # scheduled, per request
         decode_only = num_reqs > 0 and rows <= self._base_ms.shape[1] - 1 and np.array_equal(
-            np.diff(step.query_start_loc_cpu[: num_reqs + 1]),
-            np.asarray(step.num_draft_tokens[:num_reqs]) + 1,
+            np.diff(step.query_start_loc_cpu[: num_reqs + 1]), drafts + 1,
         )
         table_ms = float(self._base_ms[num_reqs, rows]) if decode_only else 0.0
         self.served.step(req_ids, decode_only, table_ms)
-        self._rest_or_wake(step, num_reqs, decode_only)
+        self._rest_or_wake(drafts, decode_only)
         every = REFIT_UNFITTED if self.served.fitted is None else REFIT_EVERY
         if self.served.proposals % every == every - 1:
             self._refit()
