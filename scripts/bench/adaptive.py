@@ -19,7 +19,8 @@ spreads over all of them. A pass is timed while all c slots are busy (a finished
 slot goes to the next prompt); its tail, where every width waits on the slowest request, is
 aborted. Per pass: tokens/s over the timed steps' wall time, verified rows
 per emitted token, acceptance length. Per concurrency: median tokens/s per mode, the best
-fixed width, and the per-round ratios auto / best fixed and auto / full width (medians).
+fixed width, and the per-round ratios auto / best fixed and auto / full width (medians, with
+95% bootstrap intervals over rounds: how far a median could move from run to run).
 
 Writes ``bench-results/adaptive-<profile>.json`` and ``.png`` (tokens/s per mode and the
 measured table: step time against rows, one line per request count) and ends with
@@ -53,6 +54,7 @@ MAX_LEARNING_PASSES = 12  # auto's passes before the rounds at most (its warm-up
 # requests finish, so most of a pass runs at c requests (steady load); the tail, where fewer
 # than c are left and every width waits on the slowest request, is not timed.
 PASS_GENERATIONS = 3
+BOOTSTRAP_RESAMPLES = 2000
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -224,8 +226,20 @@ def run_children(args) -> dict[int, dict[str, Any]]:
     return results
 
 
+def interval(ratios: list[float], resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``ratios`` (rounds resampled with a fixed
+    seed): how far the reported median could move from run to run on this machine."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def summarize(child: dict[str, Any]) -> dict[str, Any]:
-    """Median tokens/s per mode, the best fixed width, and per-round ratios of auto."""
+    """Median tokens/s per mode, the best fixed width, and per-round ratios of auto.
+
+    The best fixed width is the best of the same rounds: where widths tie, that is whichever
+    width's noise ran high, so the ratio errs against auto (by up to a standard error)."""
     rounds, k = child["rounds"], child["k"]
     modes = mode_names(k)
     med = {m: {key: statistics.median(r[m][key] for r in rounds)
@@ -239,7 +253,9 @@ def summarize(child: dict[str, Any]) -> dict[str, Any]:
         "modes": med,
         "best_fixed": best,
         "auto_over_best_fixed": statistics.median(ratio_best),
+        "auto_over_best_fixed_interval": interval(ratio_best),
         "auto_over_full_width": statistics.median(ratio_full),
+        "auto_over_full_width_interval": interval(ratio_full),
         "per_round_auto_over_best_fixed": ratio_best,
         "per_round_auto_over_full_width": ratio_full,
         **{key: child[key] for key in ("rule_on", "rule_on_at_end", "rule_rests", "served_fit", "max_gain",
@@ -319,8 +335,11 @@ def main(argv: list[str] | None = None) -> int:
         s = summarize(child)
         results[c] = s
         tok = " ".join(f"{m} {v['tok_s']:.1f}" for m, v in s["modes"].items())
+        lo, hi = s["auto_over_best_fixed_interval"]
+        flo, fhi = s["auto_over_full_width_interval"]
         print(f"c={c}: tok/s {tok}; best fixed {s['best_fixed']}; auto/best "
-              f"{s['auto_over_best_fixed']:.3f}x, auto/full {s['auto_over_full_width']:.3f}x; "
+              f"{s['auto_over_best_fixed']:.3f}x (95% {lo:.2f}-{hi:.2f}), auto/full "
+              f"{s['auto_over_full_width']:.3f}x (95% {flo:.2f}-{fhi:.2f}); "
               f"rule {'on' if s['rule_on'] else 'off'} (most a cut could gain "
               f"{100 * s['max_gain']:.0f}%), {'on' if s['rule_on_at_end'] else 'off'} at the "
               f"end, rested {s['rule_rests']} times; served steps {fit_text(s['served_fit'])} (learned in "
