@@ -378,7 +378,7 @@ class DSparkProposer:
         """``auto``: rest the rule after a run of steps it cut nothing from (``rule_rest``),
         host only: this step's scheduled ``drafts`` per request are what the last cut admitted."""
         judged = self._can_rest and self._ruled_last and decode_only
-        admitted_all = judged and int(drafts.sum()) == drafts.size * self.num_speculative_tokens
+        admitted_all = judged and bool((drafts == self.num_speculative_tokens).all())
         change = self.rest.step(judged, admitted_all)
         if change == RuleRest.REST:
             self._set_rule(False)
